@@ -1,0 +1,136 @@
+"""The DFlash training objective, as plain maths.
+
+Anchors: up to `num_anchors` positions a per sequence, sampled without replacement among positions
+whose next token is a loss token (loss_mask[a+1]), sorted. Each anchor becomes a block
+[x_a, MASK, ..., MASK] of K tokens; block position k (1..K-1) is trained to predict x_{a+k} with
+weight w_k = exp(-(k-1)/gamma): early positions matter most, because a draft is accepted only up to
+its first wrong token.
+
+streak = expected accepted length per block under per-position accuracies p_k, treating positions as
+independent: sum_{k=1}^{K-1} prod_{j<=k} p_j.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def sample_anchors(loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, num_anchors] sorted anchor positions, -1 where a sequence has fewer eligible positions.
+
+    The anchor count is fixed (not the per-batch maximum) so every batch of one length bucket has
+    one shape: each distinct shape is a separate compile."""
+    B, L = loss_mask_BL.shape
+    pos_L = torch.arange(L, device=loss_mask_BL.device)
+    next_is_loss_BL = torch.zeros_like(loss_mask_BL)
+    next_is_loss_BL[:, :-1] = loss_mask_BL[:, 1:]
+    eligible_BL = next_is_loss_BL & (pos_L[None, :] < (seq_lens_B[:, None] - 1))
+    # Random keys for eligible positions, +inf elsewhere; the smallest num_anchors keys win.
+    keys_BL = torch.rand(B, L, generator=generator, device="cpu").to(loss_mask_BL.device)
+    keys_BL = keys_BL.masked_fill(~eligible_BL, float("inf"))
+    take = min(num_anchors, L)
+    keys_BA, idx_BA = keys_BL.topk(take, dim=1, largest=False)
+    idx_BA = idx_BA.masked_fill(torch.isinf(keys_BA), -1)
+    # Sort valid anchors ascending, padding (-1) last.
+    sort_key_BA = torch.where(idx_BA < 0, torch.full_like(idx_BA, L + 1), idx_BA)
+    anchors_BA = idx_BA.gather(1, sort_key_BA.argsort(dim=1))
+    if take < num_anchors:
+        pad = torch.full((B, num_anchors - take), -1, dtype=anchors_BA.dtype, device=anchors_BA.device)
+        anchors_BA = torch.cat([anchors_BA, pad], dim=1)
+    return anchors_BA
+
+
+def block_labels(input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
+                 anchors_BA: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels_BAK, valid_BAK): the data token at anchor+k and whether position k is trained.
+    Position 0 (the anchor itself, given) is never trained."""
+    B, L = input_ids_BL.shape
+    k_K = torch.arange(block_size, device=input_ids_BL.device)
+    pos_BAK = anchors_BA[:, :, None] + k_K[None, None, :]
+    in_range_BAK = (anchors_BA[:, :, None] >= 0) & (pos_BAK < seq_lens_B[:, None, None]) & (k_K > 0)
+    safe_BAK = pos_BAK.clamp(0, L - 1)
+    flat = safe_BAK.reshape(B, -1)
+    labels_BAK = input_ids_BL.gather(1, flat).reshape_as(pos_BAK)
+    valid_BAK = in_range_BAK & loss_mask_BL.gather(1, flat).reshape_as(pos_BAK)
+    return labels_BAK, valid_BAK
+
+
+def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k >= 1; w_0 = 0."""
+    k_K = torch.arange(block_size, device=device, dtype=torch.float32)
+    w_K = torch.exp(-(k_K - 1) / gamma)
+    w_K[0] = 0.0
+    return w_K
+
+
+@dataclass(slots=True)
+class LossOutput:
+    loss: torch.Tensor
+    """Weighted mean cross-entropy (scalar, differentiable)."""
+    acc_per_pos: list[float]
+    """Top-1 accuracy per block position 1..K-1 (nan where no position was trained)."""
+    acc: float
+    streak: float
+    tokens: int
+    """Trained block positions in this batch."""
+
+
+def _ce_chunk(head_weight_VH: torch.Tensor, hidden_NH: torch.Tensor, labels_N: torch.Tensor,
+              weights_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_NV = (hidden_NH @ head_weight_VH.t()).float()
+    ce_N = F.cross_entropy(logits_NV, labels_N, reduction="none")
+    correct_N = (logits_NV.argmax(dim=-1) == labels_N)
+    return (ce_N * weights_N).sum(), correct_N
+
+
+def dflash_loss(hidden_BAKH: torch.Tensor, head_weight_VH: torch.Tensor, labels_BAK: torch.Tensor,
+                valid_BAK: torch.Tensor, gamma: float, chunk_tokens: int = 8192) -> LossOutput:
+    """Weighted cross-entropy over trained block positions, computed in chunks with activation
+    checkpointing: the [N, vocab] logits of a 27B-vocab head never exist at once, not even for backward."""
+    B, A, K, H = hidden_BAKH.shape
+    w_K = position_weights(K, gamma, hidden_BAKH.device)
+    k_BAK = torch.arange(K, device=hidden_BAKH.device).expand(B, A, K)
+    sel = valid_BAK.reshape(-1).nonzero().squeeze(1)
+    hidden_NH = hidden_BAKH.reshape(-1, H).index_select(0, sel)
+    labels_N = labels_BAK.reshape(-1).index_select(0, sel)
+    k_N = k_BAK.reshape(-1).index_select(0, sel)
+    weights_N = w_K[k_N]
+    n = int(sel.numel())
+    total = hidden_BAKH.new_zeros((), dtype=torch.float32)
+    correct_parts = []
+    for start in range(0, n, chunk_tokens):
+        end = min(n, start + chunk_tokens)
+        args = (head_weight_VH, hidden_NH[start:end], labels_N[start:end], weights_N[start:end])
+        if hidden_NH.requires_grad:
+            part, correct = checkpoint(_ce_chunk, *args, use_reentrant=False)
+        else:
+            part, correct = _ce_chunk(*args)
+        total = total + part
+        correct_parts.append(correct)
+    denom = weights_N.sum().clamp_min(1e-6)
+    loss = total / denom
+    with torch.no_grad():
+        correct_N = torch.cat(correct_parts) if correct_parts else torch.zeros(0, dtype=torch.bool,
+                                                                                device=hidden_BAKH.device)
+        hits_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(0, k_N, correct_N.float())
+        counts_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(0, k_N, torch.ones_like(k_N, dtype=torch.float))
+        acc_K = (hits_K / counts_K.clamp_min(1)).tolist()
+        counts = counts_K.tolist()
+    acc_per_pos = [acc_K[k] if counts[k] > 0 else math.nan for k in range(1, K)]
+    acc = float(correct_N.float().mean()) if n else math.nan
+    return LossOutput(loss=loss, acc_per_pos=acc_per_pos, acc=acc, streak=expected_streak(acc_per_pos), tokens=n)
+
+
+def expected_streak(acc_per_pos: list[float]) -> float:
+    """Expected accepted draft length: sum_k prod_{j<=k} p_j (positions with no data count as 0)."""
+    total, run = 0.0, 1.0
+    for p in acc_per_pos:
+        run *= 0.0 if math.isnan(p) else p
+        total += run
+    return total

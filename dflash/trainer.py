@@ -1,0 +1,248 @@
+"""The drafter half of the job: one optimizer step on (batch, target features).
+
+Separable from the target forward on purpose: the single-process demo calls both in a loop, the
+multi-process pipeline runs this in drafter workers fed by the hidden-state transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.config import JobConfig
+from dflash.model import DFlashDrafter, DrafterSpec
+from dflash.objective import block_labels, dflash_loss, sample_anchors
+
+
+def resolve_device(cfg: JobConfig) -> torch.device:
+    if cfg.run.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        from dflash.errors import ConfigError
+        raise ConfigError("run.device", "is cuda but no CUDA device is visible; use cpu or auto")
+    return torch.device(cfg.run.device)
+
+
+def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
+    """flex on GPU, sdpa on CPU (FlexAttention has no backward on CPU)."""
+    backend = cfg.attention.backend
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type == "cpu":
+        from dflash.errors import ConfigError
+        raise ConfigError("attention.backend", "flex cannot train on CPU (no backward there); use sdpa or auto")
+    return backend
+
+
+def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
+    s = str(cfg.attention.strict_kernels).lower()
+    return device.type == "cuda" if s == "auto" else s == "true"
+
+
+def rows_for_length(cfg: JobConfig, length: int) -> int:
+    """Rows of every batch of one length bucket: batches are padded up to it so each bucket is one shape."""
+    return max(1, min(cfg.train.max_batch_size, cfg.train.token_budget // length))
+
+
+def pad_rows(input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
+             rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append empty rows (length 0, no loss) up to `rows`."""
+    extra = rows - input_ids_BL.shape[0]
+    if extra <= 0:
+        return input_ids_BL, loss_mask_BL, seq_lens_B
+    L = input_ids_BL.shape[1]
+    return (torch.cat([input_ids_BL, input_ids_BL.new_zeros(extra, L)]),
+            torch.cat([loss_mask_BL, loss_mask_BL.new_zeros(extra, L)]),
+            torch.cat([seq_lens_B, seq_lens_B.new_zeros(extra)]))
+
+
+def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
+    """Regional compile (torchtitan style): each decoder layer is compiled; identical layers share one
+    graph. The warm-cache entry point calls this same function, so warm and train hit the same graphs."""
+    if not cfg.attention.compile:
+        return
+    for layer in model.layers:
+        layer.compile(dynamic=False)
+
+
+def lr_factor(step: int, cfg: JobConfig) -> float:
+    """Linear warmup, then cosine from lr down to lr * min_lr_ratio at total_steps."""
+    t = cfg.train
+    if t.warmup_steps and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def noise_std(step: int, cfg: JobConfig) -> float:
+    d = cfg.drafter
+    if d.noise_std == 0:
+        return 0.0
+    progress = min(1.0, step / max(1, cfg.train.total_steps))
+    if d.noise_schedule == "constant":
+        return d.noise_std
+    if d.noise_schedule == "linear":
+        return d.noise_std * (1 - progress)
+    return d.noise_std * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    loss: float
+    acc: float
+    acc_per_pos: list[float]
+    streak: float
+    lr: float
+    noise: float
+    grad_norm: float
+    tokens: int
+    """Real sequence tokens of the batch (the throughput unit of the status line)."""
+    block_tokens: int
+    seconds: float
+
+
+class DrafterTrainer:
+    def __init__(self, cfg: JobConfig, spec: DrafterSpec, embed_VH: torch.Tensor, head_VH: torch.Tensor,
+                 device: torch.device, *, rank: int = 0, world_size: int = 1,
+                 on_step_compiled: Callable[[], None] | None = None) -> None:
+        self.cfg, self.spec, self.device = cfg, spec, device
+        self.rank, self.world_size = rank, world_size
+        self.backend = resolve_backend(cfg, device)
+        torch.manual_seed(cfg.run.seed)  # identical init on every rank
+        model = DFlashDrafter(spec, embed_VH.to(device), head_VH.to(device), backend=self.backend).to(device)
+        apply_compile(model, cfg)
+        self.model = model
+        self.module: nn.Module = model
+        if world_size > 1:
+            self.module = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
+        params = [p for p in model.parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]),
+                                           weight_decay=t.weight_decay, fused=device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.step = 0
+        self.anchor_gen = torch.Generator().manual_seed(cfg.run.seed * 1000 + rank)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
+                   target_hidden_BLF: torch.Tensor) -> StepResult:
+        t0 = time.perf_counter()
+        dev = self.device
+        input_ids_BL, loss_mask_BL, seq_lens_B = (x.to(dev, non_blocking=True)
+                                                  for x in (input_ids_BL, loss_mask_BL, seq_lens_B))
+        target_hidden_BLF = target_hidden_BLF.to(dev, non_blocking=True)
+        anchors_BA = sample_anchors(loss_mask_BL, seq_lens_B, self.cfg.train.num_anchors, self.anchor_gen)
+        labels_BAK, valid_BAK = block_labels(input_ids_BL, loss_mask_BL, seq_lens_B, anchors_BA,
+                                             self.spec.block_size)
+        noise = noise_std(self.step, self.cfg)
+        self.module.train()
+        with self.autocast():
+            hidden_BAKH = self.module(input_ids_BL, target_hidden_BLF, anchors_BA, seq_lens_B, noise_std=noise)
+            out = dflash_loss(hidden_BAKH, self.model.lm_head_weight, labels_BAK, valid_BAK,
+                              self.cfg.train.gamma, self.cfg.train.loss_chunk_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        loss = float(out.loss.detach())
+        return StepResult(step=self.step, loss=loss, acc=out.acc, acc_per_pos=out.acc_per_pos, streak=out.streak,
+                          lr=lr, noise=noise, grad_norm=float(grad_norm), tokens=int(seq_lens_B.sum()),
+                          block_tokens=out.tokens, seconds=time.perf_counter() - t0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "anchor_gen": self.anchor_gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        trainable = set(self.model.trainable_state_dict())
+        really_missing = [k for k in missing if k in trainable]
+        if really_missing or unexpected:
+            from dflash.errors import DFlashError
+            raise DFlashError(f"checkpoint does not match the drafter: missing {really_missing[:5]}, "
+                              f"unexpected {list(unexpected)[:5]}; was it written with another drafter config?")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.anchor_gen.set_state(state["anchor_gen"])
+        self.step = int(state["step"])
+
+
+@dataclass
+class Meter:
+    """Accumulates one status interval and renders the metrics.jsonl record (the status line too)."""
+
+    total_steps: int
+    started_at: float = field(default_factory=time.time)
+    interval_start: float = field(default_factory=time.time)
+    steps: int = 0
+    tgt_batches: int = 0
+    tokens: int = 0
+    loss_sum: float = 0.0
+    acc_sum: float = 0.0
+    acc_pos_sum: list[float] = field(default_factory=list)
+    acc_pos_n: list[int] = field(default_factory=list)
+    last: StepResult | None = None
+
+    def add_target(self, n: int = 1) -> None:
+        self.tgt_batches += n
+
+    def add_step(self, r: StepResult) -> None:
+        self.steps += 1
+        self.tokens += r.tokens
+        self.loss_sum += r.loss
+        if not math.isnan(r.acc):
+            self.acc_sum += r.acc
+        if not self.acc_pos_sum:
+            self.acc_pos_sum = [0.0] * len(r.acc_per_pos)
+            self.acc_pos_n = [0] * len(r.acc_per_pos)
+        for i, a in enumerate(r.acc_per_pos):
+            if not math.isnan(a):
+                self.acc_pos_sum[i] += a
+                self.acc_pos_n[i] += 1
+        self.last = r
+
+    def record(self, *, step: int, q_pre: list[int], q_hs: list[int], epoch: float,
+               compile: dict[str, int], gpu_mem_gb: dict[str, float], extra: dict[str, Any] | None = None,
+               ) -> dict[str, Any]:
+        now = time.time()
+        dt = max(1e-6, now - self.interval_start)
+        acc_pos = [s / n if n else None for s, n in zip(self.acc_pos_sum, self.acc_pos_n, strict=True)]
+        from dflash.objective import expected_streak
+        streak = expected_streak([a if a is not None else math.nan for a in acc_pos]) if acc_pos else None
+        dft_bps = self.steps / dt
+        rec: dict[str, Any] = {
+            "t": now, "elapsed_s": now - self.started_at, "step": step,
+            "loss": self.loss_sum / self.steps if self.steps else None,
+            "acc": self.acc_sum / self.steps if self.steps else None,
+            "acc_per_pos": acc_pos, "streak": streak,
+            "lr": self.last.lr if self.last else None, "noise": self.last.noise if self.last else None,
+            "grad_norm": self.last.grad_norm if self.last else None,
+            "tgt_bps": self.tgt_batches / dt, "dft_bps": dft_bps, "tok_s": self.tokens / dt,
+            "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch,
+            "eta_s": (self.total_steps - step) / dft_bps if dft_bps > 0 else None,
+            "compile": compile, "gpu_mem_gb": gpu_mem_gb,
+        }
+        if extra:
+            rec.update(extra)
+        self.interval_start = now
+        self.steps = self.tgt_batches = self.tokens = 0
+        self.loss_sum = self.acc_sum = 0.0
+        self.acc_pos_sum, self.acc_pos_n = [], []
+        return rec
