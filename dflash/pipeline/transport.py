@@ -34,6 +34,7 @@ Semantics (the contract the drafter group relies on):
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -275,10 +276,8 @@ class HiddenStateQueue:
         if self._fd < 0:
             return
         self._mem = torch.empty(0, dtype=torch.uint8)
-        try:
+        with contextlib.suppress(BufferError):  # live views from get(copy=False) keep the mapping
             self._mm.close()
-        except BufferError:
-            pass  # live views from get(copy=False); the mapping goes when they do
         os.close(self._fd)
         self._fd = -1
 
