@@ -32,8 +32,11 @@ REQUIRED = ("model.safetensors", "config.json", "trainer.pt", "meta.json")
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -55,18 +58,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor], hf_config: dict[str, Any],
-                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step}-"))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         torch.save(trainer_state, tmp / "trainer.pt")
         sizes = {name: (tmp / name).stat().st_size for name in REQUIRED if name != "meta.json"}
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "saved_at": time.time(), "sizes": sizes}) + "\n")
+        (tmp / "meta.json").write_text(
+            json.dumps({"step": step, "saved_at": time.time(), "sizes": sizes}) + "\n"
+        )
         for name in REQUIRED:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
@@ -111,16 +126,18 @@ def find_latest(root: Path) -> Found:
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
-    complete = sorted((int(m.group(1)), p) for p in root.iterdir()
-                      if (m := _STEP_RE.match(p.name)) and _is_complete(p))
+    complete = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and _is_complete(p)
+    )
     for _, p in complete[:-keep_last]:
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".tmp-step-*"):  # leftovers of a crash mid-save: never resumable
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor],
-                                                                                    dict[str, Any], dict[str, Any]]:
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(weights, hf_config, trainer_state)."""
     weights = load_file(str(path / "model.safetensors"), device=str(map_location))
     hf_config = json.loads((path / "config.json").read_text())

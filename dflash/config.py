@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from dflash.errors import ConfigError
 
@@ -53,7 +54,9 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if not self.path:
-            raise ConfigError("target.path", "is required: a local HF model directory, or `tiny` for the demo")
+            raise ConfigError(
+                "target.path", "is required: a local HF model directory, or `tiny` for the demo"
+            )
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError("target.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -94,9 +97,13 @@ class DrafterConfig:
             raise ConfigError("drafter.num_target_layers", "must be >= 1")
         for t in self.layer_types:
             if t not in ("sliding_attention", "full_attention"):
-                raise ConfigError("drafter.layer_types", f"entries must be sliding_attention or full_attention, got {t!r}")
+                raise ConfigError(
+                    "drafter.layer_types", f"entries must be sliding_attention or full_attention, got {t!r}"
+                )
         if self.layer_types and len(self.layer_types) != self.num_layers:
-            raise ConfigError("drafter.layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
+            raise ConfigError(
+                "drafter.layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         if self.sliding_window < 1:
             raise ConfigError("drafter.sliding_window", "must be >= 1")
         if self.noise_std < 0:
@@ -179,7 +186,14 @@ class TrainConfig:
     """Block tokens per LM-head/cross-entropy chunk (bounds the logits memory)."""
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "token_budget", "max_batch_size", "num_anchors", "checkpoint_every", "keep_last"):
+        for name in (
+            "total_steps",
+            "token_budget",
+            "max_batch_size",
+            "num_anchors",
+            "checkpoint_every",
+            "keep_last",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", "must be >= 1")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -293,8 +307,13 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             where = f"{prefix}.{missing[0]}" if prefix else missing[0]
             raise ConfigError(where, "is required") from e
@@ -328,8 +347,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None,
-                data: dict[str, Any] | None = None) -> JobConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, data: dict[str, Any] | None = None
+) -> JobConfig:
     if data is None:
         data = {}
     if path is not None:

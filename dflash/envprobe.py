@@ -16,6 +16,8 @@ Fields (stable: the compile-cache key and `dflashctl doctor` read them by these 
     schema            int, 1
     python            {version "3.11.9", implementation "cpython", executable, prefix, base_prefix}
     platform          {system "Linux", machine "x86_64", release, libc "glibc 2.39" | null}
+    markers           PEP 508 environment markers {sys_platform, platform_machine, python_full_version,
+                      ...}: what a lock's `; marker` conditions are evaluated against
     torch             null when torch is not importable, else
                       {version "2.11.0+cu130", git_version, cuda "13.0" | null, cudnn 91002 | null,
                        nccl "2.27.7" | null, hip | null, debug bool, cuda_available bool,
@@ -75,6 +77,28 @@ def _platform() -> dict[str, Any]:
         "machine": platform.machine(),
         "release": platform.release(),
         "libc": f"{lib} {ver}" if lib else None,
+    }
+
+
+def _markers() -> dict[str, str]:
+    # The same values pip and uv use to decide which `; marker` lines of a lock apply here.
+    impl = sys.implementation
+    iv = impl.version
+    impl_version = f"{iv.major}.{iv.minor}.{iv.micro}"
+    if iv.releaselevel != "final":
+        impl_version += iv.releaselevel[0] + str(iv.serial)
+    return {
+        "implementation_name": impl.name,
+        "implementation_version": impl_version,
+        "os_name": os.name,
+        "platform_machine": platform.machine(),
+        "platform_python_implementation": platform.python_implementation(),
+        "platform_release": platform.release(),
+        "platform_system": platform.system(),
+        "platform_version": platform.version(),
+        "python_full_version": platform.python_version(),
+        "python_version": ".".join(platform.python_version_tuple()[:2]),
+        "sys_platform": sys.platform,
     }
 
 
@@ -241,7 +265,8 @@ def _free_bytes(path: str) -> int | None:
 def probe() -> dict[str, Any]:
     """The fingerprint of this interpreter's environment (see the module docstring for fields)."""
     errors: list[str] = []
-    result: dict[str, Any] = {"schema": SCHEMA, "python": _python(), "platform": _platform()}
+    result: dict[str, Any] = {"schema": SCHEMA, "python": _python(), "platform": _platform(),
+                              "markers": _markers()}
     torch_info, torch_gpus = _torch(errors)
     result["torch"] = torch_info
     result["triton"] = _triton(errors)

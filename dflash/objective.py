@@ -20,8 +20,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def sample_anchors(loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_anchors(
+    loss_mask_BL: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """[B, num_anchors] sorted anchor positions, -1 where a sequence has fewer eligible positions.
 
     The anchor count is fixed (not the per-batch maximum) so every batch of one length bucket has
@@ -46,8 +50,13 @@ def sample_anchors(loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor, num_anc
     return anchors_BA
 
 
-def block_labels(input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
-                 anchors_BA: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    input_ids_BL: torch.Tensor,
+    loss_mask_BL: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    anchors_BA: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels_BAK, valid_BAK): the data token at anchor+k and whether position k is trained.
     Position 0 (the anchor itself, given) is never trained."""
     B, L = input_ids_BL.shape
@@ -81,16 +90,23 @@ class LossOutput:
     """Trained block positions in this batch."""
 
 
-def _ce_chunk(head_weight_VH: torch.Tensor, hidden_NH: torch.Tensor, labels_N: torch.Tensor,
-              weights_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ce_chunk(
+    head_weight_VH: torch.Tensor, hidden_NH: torch.Tensor, labels_N: torch.Tensor, weights_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits_NV = (hidden_NH @ head_weight_VH.t()).float()
     ce_N = F.cross_entropy(logits_NV, labels_N, reduction="none")
-    correct_N = (logits_NV.argmax(dim=-1) == labels_N)
+    correct_N = logits_NV.argmax(dim=-1) == labels_N
     return (ce_N * weights_N).sum(), correct_N
 
 
-def dflash_loss(hidden_BAKH: torch.Tensor, head_weight_VH: torch.Tensor, labels_BAK: torch.Tensor,
-                valid_BAK: torch.Tensor, gamma: float, chunk_tokens: int = 8192) -> LossOutput:
+def dflash_loss(
+    hidden_BAKH: torch.Tensor,
+    head_weight_VH: torch.Tensor,
+    labels_BAK: torch.Tensor,
+    valid_BAK: torch.Tensor,
+    gamma: float,
+    chunk_tokens: int = 8192,
+) -> LossOutput:
     """Weighted cross-entropy over trained block positions, computed in chunks with activation
     checkpointing: the [N, vocab] logits of a 27B-vocab head never exist at once, not even for backward."""
     B, A, K, H = hidden_BAKH.shape
@@ -116,15 +132,22 @@ def dflash_loss(hidden_BAKH: torch.Tensor, head_weight_VH: torch.Tensor, labels_
     denom = weights_N.sum().clamp_min(1e-6)
     loss = total / denom
     with torch.no_grad():
-        correct_N = torch.cat(correct_parts) if correct_parts else torch.zeros(0, dtype=torch.bool,
-                                                                                device=hidden_BAKH.device)
+        correct_N = (
+            torch.cat(correct_parts)
+            if correct_parts
+            else torch.zeros(0, dtype=torch.bool, device=hidden_BAKH.device)
+        )
         hits_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(0, k_N, correct_N.float())
-        counts_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(0, k_N, torch.ones_like(k_N, dtype=torch.float))
+        counts_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(
+            0, k_N, torch.ones_like(k_N, dtype=torch.float)
+        )
         acc_K = (hits_K / counts_K.clamp_min(1)).tolist()
         counts = counts_K.tolist()
     acc_per_pos = [acc_K[k] if counts[k] > 0 else math.nan for k in range(1, K)]
     acc = float(correct_N.float().mean()) if n else math.nan
-    return LossOutput(loss=loss, acc_per_pos=acc_per_pos, acc=acc, streak=expected_streak(acc_per_pos), tokens=n)
+    return LossOutput(
+        loss=loss, acc_per_pos=acc_per_pos, acc=acc, streak=expected_streak(acc_per_pos), tokens=n
+    )
 
 
 def expected_streak(acc_per_pos: list[float]) -> float:

@@ -24,8 +24,15 @@ from typing import Any
 HEARTBEAT_INTERVAL_S = 1.0
 """Heartbeats are rewritten at least this often (the contract says at least every 2 s)."""
 
-WORKER_STATES = ("starting", "computing", "waiting_input", "waiting_output", "compiling",
-                 "checkpointing", "stopped")
+WORKER_STATES = (
+    "starting",
+    "computing",
+    "waiting_input",
+    "waiting_output",
+    "compiling",
+    "checkpointing",
+    "stopped",
+)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -149,15 +156,31 @@ class Heartbeat:
     the worker is blocked (waiting for input, compiling). The thread only writes JSON: it never
     touches torch, so it cannot race with compiled work."""
 
-    def __init__(self, run: RunDir, role: str, index: int, *, rank: int | None = None,
-                 device: str = "cpu", interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        role: str,
+        index: int,
+        *,
+        rank: int | None = None,
+        device: str = "cpu",
+        interval_s: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
         self.path = run.heartbeat_path(role, index)
         self._lock = threading.Lock()
         now = time.time()
         self._state: dict[str, Any] = {
-            "pid": os.getpid(), "host": socket.gethostname(), "role": role, "index": index,
-            "rank": rank, "device": device, "step": 0, "state": "starting",
-            "last_progress_at": now, "updated_at": now, "started_at": now,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "role": role,
+            "index": index,
+            "rank": rank,
+            "device": device,
+            "step": 0,
+            "state": "starting",
+            "last_progress_at": now,
+            "updated_at": now,
+            "started_at": now,
         }
         self._interval = interval_s
         self._stop = threading.Event()
@@ -205,6 +228,7 @@ class Heartbeat:
 
 # ---- status line ---------------------------------------------------------------------------------
 
+
 def _fmt_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "--"
@@ -238,8 +262,20 @@ def format_status_line(m: dict[str, Any]) -> str:
 
 _NUM = r"(---|[-+0-9.eE]+)"
 _STATUS_RE = re.compile(
-    r"\[(?P<mins>\d+)m\] step=(?P<step>\d+) loss=" + _NUM + r" acc=" + _NUM + r" streak=" + _NUM
-    + r" lr=" + _NUM + r" noise=" + _NUM + r" \| tgt=" + _NUM + r"b/s dft=" + _NUM
+    r"\[(?P<mins>\d+)m\] step=(?P<step>\d+) loss="
+    + _NUM
+    + r" acc="
+    + _NUM
+    + r" streak="
+    + _NUM
+    + r" lr="
+    + _NUM
+    + r" noise="
+    + _NUM
+    + r" \| tgt="
+    + _NUM
+    + r"b/s dft="
+    + _NUM
     + r"b/s \((?P<ktok>[0-9.]+)Ktok/s\) \| q_pre=\[(?P<q_pre>[^\]]*)\] q_hs=\[(?P<q_hs>[^\]]*)\] \| "
     r"epoch~" + _NUM + r" ETA=(?P<eta>--|[0-9.]+[mhd])"
 )
@@ -262,8 +298,18 @@ def parse_status_line(line: str) -> dict[str, Any]:
     unit = {"m": 60, "h": 3600, "d": 86400}
     eta_s = None if eta == "--" else float(eta[:-1]) * unit[eta[-1]]
     return {
-        "elapsed_s": int(m.group("mins")) * 60, "step": int(m.group("step")),
-        "loss": num(g[2]), "acc": num(g[3]), "streak": num(g[4]), "lr": num(g[5]), "noise": num(g[6]),
-        "tgt_bps": num(g[7]), "dft_bps": num(g[8]), "tok_s": float(m.group("ktok")) * 1000,
-        "q_pre": ints(m.group("q_pre")), "q_hs": ints(m.group("q_hs")), "epoch": num(g[12]), "eta_s": eta_s,
+        "elapsed_s": int(m.group("mins")) * 60,
+        "step": int(m.group("step")),
+        "loss": num(g[2]),
+        "acc": num(g[3]),
+        "streak": num(g[4]),
+        "lr": num(g[5]),
+        "noise": num(g[6]),
+        "tgt_bps": num(g[7]),
+        "dft_bps": num(g[8]),
+        "tok_s": float(m.group("ktok")) * 1000,
+        "q_pre": ints(m.group("q_pre")),
+        "q_hs": ints(m.group("q_hs")),
+        "epoch": num(g[12]),
+        "eta_s": eta_s,
     }

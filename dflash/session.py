@@ -25,8 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -44,9 +45,14 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
         manifest.setdefault("command_lines", []).extend(commands)
     else:
         manifest = {
-            "run_id": run.root.name, "config": cfg.to_dict(), "started_at": time.time(),
-            "project_commit": _git_commit(), "hosts": [socket.gethostname()], "command_lines": commands,
-            "image_digest": os.environ.get("DFLASH_IMAGE_DIGEST"), "lock_sha256": os.environ.get("DFLASH_LOCK_SHA256"),
+            "run_id": run.root.name,
+            "config": cfg.to_dict(),
+            "started_at": time.time(),
+            "project_commit": _git_commit(),
+            "hosts": [socket.gethostname()],
+            "command_lines": commands,
+            "image_digest": os.environ.get("DFLASH_IMAGE_DIGEST"),
+            "lock_sha256": os.environ.get("DFLASH_LOCK_SHA256"),
             "cache_artifact": os.environ.get("DFLASH_CACHE_ARTIFACT"),
         }
     run.write_manifest(manifest)
@@ -58,15 +64,20 @@ def resolve_target_path(cfg: JobConfig) -> str:
     if cfg.target.path != "tiny":
         return cfg.target.path
     from dflash.demo import make_tiny_target
+
     path = Path(cfg.run.runs_root) / f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}"
-    return str(make_tiny_target(path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden,
-                                seed=cfg.run.seed))
+    return str(
+        make_tiny_target(
+            path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
+        )
+    )
 
 
 def resolve_data_path(cfg: JobConfig) -> str:
     if cfg.data.path != "demo":
         return cfg.data.path
     from dflash.demo import write_demo_corpus
+
     path = Path(cfg.run.runs_root) / ".demo" / "corpus.jsonl"
     if not path.exists():
         write_demo_corpus(path)
@@ -87,6 +98,7 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
 
     from dflash.data import load_dataset
     from dflash.tokenizer import load_tokenizer, require_mask_token
+
     target_path = resolve_target_path(cfg)
     tok = load_tokenizer(cfg.data.tokenizer, target_path)
     mask_id = require_mask_token(tok, cfg.drafter.mask_token_id)
@@ -114,9 +126,17 @@ def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
 
 def make_batcher(cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1) -> Any:
     from dflash.data import TokenBudgetBatcher
-    return TokenBudgetBatcher(dataset, token_budget=cfg.train.token_budget, max_batch_size=cfg.train.max_batch_size,
-                              bucket_multiple=cfg.data.bucket_multiple, seed=cfg.run.seed,
-                              shuffle=cfg.data.shuffle, rank=rank, world_size=world_size)
+
+    return TokenBudgetBatcher(
+        dataset,
+        token_budget=cfg.train.token_budget,
+        max_batch_size=cfg.train.max_batch_size,
+        bucket_multiple=cfg.data.bucket_multiple,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 @dataclass
@@ -134,6 +154,7 @@ class CompileTracker:
 
     def around_step(self, shape: tuple[int, ...], seconds: float, before: dict[str, int]) -> None:
         from dflash.kernels import compile_counters
+
         if shape in self.seen_shapes:
             return
         self.seen_shapes.add(shape)
@@ -141,28 +162,49 @@ class CompileTracker:
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         if not any(delta.values()):
             return
-        self.run.event("compiled", worker=self.worker, shape=list(shape), seconds=round(seconds, 3),
-                       hits=delta.get("fxgraph_hits", 0) + delta.get("autograd_hits", 0),
-                       misses=delta.get("fxgraph_misses", 0) + delta.get("autograd_misses", 0), counters=delta)
+        self.run.event(
+            "compiled",
+            worker=self.worker,
+            shape=list(shape),
+            seconds=round(seconds, 3),
+            hits=delta.get("fxgraph_hits", 0) + delta.get("autograd_hits", 0),
+            misses=delta.get("fxgraph_misses", 0) + delta.get("autograd_misses", 0),
+            counters=delta,
+        )
         if os.environ.get("DFLASH_EXPECT_WARM_CACHE") == "1" and delta.get("fxgraph_misses", 0) > 0:
-            self.run.event("cache_miss", worker=self.worker, shape=list(shape),
-                           fxgraph_misses=delta.get("fxgraph_misses", 0),
-                           detail="a warm compile cache was expected but inductor compiled cold: "
-                                  "restore the artifact for this fingerprint (dflashctl cache restore)")
+            self.run.event(
+                "cache_miss",
+                worker=self.worker,
+                shape=list(shape),
+                fxgraph_misses=delta.get("fxgraph_misses", 0),
+                detail="a warm compile cache was expected but inductor compiled cold: "
+                "restore the artifact for this fingerprint (dflashctl cache restore)",
+            )
 
 
 class DrafterSide:
     """A drafter worker's state: the trainer, kernel guard, compile tracking, checkpoints, metrics."""
 
-    def __init__(self, cfg: JobConfig, run: RunDir, parts: DataParts, device: torch.device, *,
-                 rank: int = 0, world_size: int = 1, worker: str = "drafter-0") -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run: RunDir,
+        parts: DataParts,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        worker: str = "drafter-0",
+    ) -> None:
         from dflash.kernels import KernelGuard
         from dflash.model import resolve_spec
         from dflash.target import load_frozen_head
         from dflash.trainer import DrafterTrainer, resolve_strict
+
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
-        embed, head, target_config = load_frozen_head(parts.target_path, dtype=torch_dtype(cfg.target.dtype),
-                                                      device=device)
+        embed, head, target_config = load_frozen_head(
+            parts.target_path, dtype=torch_dtype(cfg.target.dtype), device=device
+        )
         self.spec = resolve_spec(cfg.drafter, target_config, parts.mask_token_id)
         self.trainer = DrafterTrainer(cfg, self.spec, embed, head, device, rank=rank, world_size=world_size)
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
@@ -177,10 +219,13 @@ class DrafterSide:
     def resume(self) -> None:
         """Load the newest complete checkpoint, if any (torn ones are reported and skipped)."""
         from dflash.checkpoint import find_latest, load_checkpoint, set_rng_state
+
         found = find_latest(self.run.checkpoints)
         for p in found.torn:
             if self.rank == 0:
-                self.run.event("checkpoint_skipped", path=str(p), reason="incomplete (torn) checkpoint ignored")
+                self.run.event(
+                    "checkpoint_skipped", path=str(p), reason="incomplete (torn) checkpoint ignored"
+                )
         if found.path is None:
             return
         weights, _, state = load_checkpoint(found.path, map_location=self.device)
@@ -191,9 +236,11 @@ class DrafterSide:
         self.data_state = state.get("data", {}).get(str(self.rank))
         self.resumed_from = self.trainer.step
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor,
-             hidden: torch.Tensor) -> Any:
+    def step(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor
+    ) -> Any:
         from dflash.kernels import compile_counters
+
         shape = tuple(input_ids.shape)
         before = compile_counters() if self.compiles.is_new(shape) else {}
         result = self.trainer.train_step(input_ids, loss_mask, seq_lens, hidden)
@@ -203,13 +250,20 @@ class DrafterSide:
 
     def checkpoint(self, data_states: dict[str, Any], rng_states: dict[str, Any]) -> None:
         from dflash.checkpoint import save_checkpoint
+
         t0 = time.time()
         state = {"trainer": self.trainer.state_dict(), "data": data_states, "rng": rng_states}
-        path = save_checkpoint(self.run.checkpoints, self.trainer.step,
-                               weights=self.trainer.model.trainable_state_dict(),
-                               hf_config=self.spec.to_hf_config(), trainer_state=state,
-                               keep_last=self.cfg.train.keep_last)
-        self.run.event("checkpoint", step=self.trainer.step, path=str(path), seconds=round(time.time() - t0, 3))
+        path = save_checkpoint(
+            self.run.checkpoints,
+            self.trainer.step,
+            weights=self.trainer.model.trainable_state_dict(),
+            hf_config=self.spec.to_hf_config(),
+            trainer_state=state,
+            keep_last=self.cfg.train.keep_last,
+        )
+        self.run.event(
+            "checkpoint", step=self.trainer.step, path=str(path), seconds=round(time.time() - t0, 3)
+        )
 
     def close(self) -> None:
         self.guard.__exit__(None, None, None)
@@ -221,6 +275,7 @@ class Job:
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
         from dflash.target import TargetCapture
         from dflash.trainer import pad_rows, resolve_device, rows_for_length
+
         self._pad_rows, self._rows_for_length = pad_rows, rows_for_length
         self.cfg, self.run = cfg, run
         self.device = resolve_device(cfg)
@@ -228,19 +283,31 @@ class Job:
         parts = prepare_data(cfg, run)
         self.drafter = DrafterSide(cfg, run, parts, self.device)
         self.trainer = self.drafter.trainer
-        self.target = TargetCapture(parts.target_path, self.drafter.spec.target_layer_ids,
-                                    dtype=torch_dtype(cfg.target.dtype), device=self.device)
+        self.target = TargetCapture(
+            parts.target_path,
+            self.drafter.spec.target_layer_ids,
+            dtype=torch_dtype(cfg.target.dtype),
+            device=self.device,
+        )
         self.batcher = make_batcher(cfg, parts.dataset)
         self.drafter.resume()
         if self.drafter.data_state is not None:
             self.batcher.load_state_dict(self.drafter.data_state)
         self.batches: Iterator[Any] = iter(self.batcher)
-        run.event("started", mode="single-process", device=str(self.device), backend=self.trainer.backend,
-                  resumed_from=self.drafter.resumed_from, step=self.trainer.step,
-                  total_steps=cfg.train.total_steps, spec=self.drafter.spec.to_hf_config())
+        run.event(
+            "started",
+            mode="single-process",
+            device=str(self.device),
+            backend=self.trainer.backend,
+            resumed_from=self.drafter.resumed_from,
+            step=self.trainer.step,
+            total_steps=cfg.train.total_steps,
+            spec=self.drafter.spec.to_hf_config(),
+        )
 
     def new_meter(self) -> Any:
         from dflash.trainer import Meter
+
         return Meter(total_steps=self.cfg.train.total_steps)
 
     def _padded(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,14 +327,22 @@ class Job:
 
     def emit_metrics(self, meter: Any, *, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
         from dflash.kernels import compile_counters
-        rec = meter.record(step=self.trainer.step, q_pre=q_pre, q_hs=q_hs, epoch=self.batcher.epoch_progress,
-                           compile=compile_counters(), gpu_mem_gb=gpu_mem_gb(self.device, "drafter-0"))
+
+        rec = meter.record(
+            step=self.trainer.step,
+            q_pre=q_pre,
+            q_hs=q_hs,
+            epoch=self.batcher.epoch_progress,
+            compile=compile_counters(),
+            gpu_mem_gb=gpu_mem_gb(self.device, "drafter-0"),
+        )
         self.run.metric(rec)
         print(format_status_line(rec), flush=True)
         return rec
 
     def save_checkpoint(self) -> None:
         from dflash.checkpoint import rng_state
+
         self.drafter.checkpoint({"0": self.batcher.state_dict()}, {"0": rng_state()})
 
 

@@ -13,7 +13,6 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from dflash.config import JobConfig, load_config
@@ -24,8 +23,14 @@ from dflash.rundir import Heartbeat, RunDir, format_status_line
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.train", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="job config (TOML), e.g. configs/demo-cpu.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.total_steps=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.total_steps=50 (repeatable)",
+    )
     p.add_argument("--run-dir", help="run directory; an existing one is resumed")
     return p.parse_args(argv)
 
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         from dflash.session import open_run_dir
+
         run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
         return train(cfg, run)
     except DFlashError as e:
@@ -82,7 +88,10 @@ def train(cfg: JobConfig, run: RunDir) -> int:
             result = job.drafter_step(batch, hidden)
             meter.add_step(result)
             dft_hb.set("computing", progress=True, step=trainer.step)
-            if time.time() - last_status >= cfg.run.status_interval_s or trainer.step == cfg.train.total_steps:
+            if (
+                time.time() - last_status >= cfg.run.status_interval_s
+                or trainer.step == cfg.train.total_steps
+            ):
                 job.emit_metrics(meter, q_pre=[0], q_hs=[0])
                 last_status = time.time()
             if trainer.step % cfg.train.checkpoint_every == 0 or trainer.step == cfg.train.total_steps:

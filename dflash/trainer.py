@@ -26,6 +26,7 @@ def resolve_device(cfg: JobConfig) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         from dflash.errors import ConfigError
+
         raise ConfigError("run.device", "is cuda but no CUDA device is visible; use cpu or auto")
     return torch.device(cfg.run.device)
 
@@ -37,7 +38,10 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
         return "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex" and device.type == "cpu":
         from dflash.errors import ConfigError
-        raise ConfigError("attention.backend", "flex cannot train on CPU (no backward there); use sdpa or auto")
+
+        raise ConfigError(
+            "attention.backend", "flex cannot train on CPU (no backward there); use sdpa or auto"
+        )
     return backend
 
 
@@ -51,16 +55,19 @@ def rows_for_length(cfg: JobConfig, length: int) -> int:
     return max(1, min(cfg.train.max_batch_size, cfg.train.token_budget // length))
 
 
-def pad_rows(input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
-             rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_rows(
+    input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Append empty rows (length 0, no loss) up to `rows`."""
     extra = rows - input_ids_BL.shape[0]
     if extra <= 0:
         return input_ids_BL, loss_mask_BL, seq_lens_B
     L = input_ids_BL.shape[1]
-    return (torch.cat([input_ids_BL, input_ids_BL.new_zeros(extra, L)]),
-            torch.cat([loss_mask_BL, loss_mask_BL.new_zeros(extra, L)]),
-            torch.cat([seq_lens_B, seq_lens_B.new_zeros(extra)]))
+    return (
+        torch.cat([input_ids_BL, input_ids_BL.new_zeros(extra, L)]),
+        torch.cat([loss_mask_BL, loss_mask_BL.new_zeros(extra, L)]),
+        torch.cat([seq_lens_B, seq_lens_B.new_zeros(extra)]),
+    )
 
 
 def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
@@ -110,9 +117,18 @@ class StepResult:
 
 
 class DrafterTrainer:
-    def __init__(self, cfg: JobConfig, spec: DrafterSpec, embed_VH: torch.Tensor, head_VH: torch.Tensor,
-                 device: torch.device, *, rank: int = 0, world_size: int = 1,
-                 on_step_compiled: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        spec: DrafterSpec,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        on_step_compiled: Callable[[], None] | None = None,
+    ) -> None:
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
@@ -123,11 +139,17 @@ class DrafterTrainer:
         self.module: nn.Module = model
         if world_size > 1:
             self.module = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None)
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
         params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]),
-                                           weight_decay=t.weight_decay, fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=t.lr,
+            betas=(t.betas[0], t.betas[1]),
+            weight_decay=t.weight_decay,
+            fused=device.type == "cuda",
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
         self.anchor_gen = torch.Generator().manual_seed(cfg.run.seed * 1000 + rank)
@@ -137,38 +159,68 @@ class DrafterTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, seq_lens_B: torch.Tensor,
-                   target_hidden_BLF: torch.Tensor) -> StepResult:
+    def train_step(
+        self,
+        input_ids_BL: torch.Tensor,
+        loss_mask_BL: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        target_hidden_BLF: torch.Tensor,
+    ) -> StepResult:
         t0 = time.perf_counter()
         dev = self.device
-        input_ids_BL, loss_mask_BL, seq_lens_B = (x.to(dev, non_blocking=True)
-                                                  for x in (input_ids_BL, loss_mask_BL, seq_lens_B))
+        input_ids_BL, loss_mask_BL, seq_lens_B = (
+            x.to(dev, non_blocking=True) for x in (input_ids_BL, loss_mask_BL, seq_lens_B)
+        )
         target_hidden_BLF = target_hidden_BLF.to(dev, non_blocking=True)
         anchors_BA = sample_anchors(loss_mask_BL, seq_lens_B, self.cfg.train.num_anchors, self.anchor_gen)
-        labels_BAK, valid_BAK = block_labels(input_ids_BL, loss_mask_BL, seq_lens_B, anchors_BA,
-                                             self.spec.block_size)
+        labels_BAK, valid_BAK = block_labels(
+            input_ids_BL, loss_mask_BL, seq_lens_B, anchors_BA, self.spec.block_size
+        )
         noise = noise_std(self.step, self.cfg)
         self.module.train()
         with self.autocast():
-            hidden_BAKH = self.module(input_ids_BL, target_hidden_BLF, anchors_BA, seq_lens_B, noise_std=noise)
-            out = dflash_loss(hidden_BAKH, self.model.lm_head_weight, labels_BAK, valid_BAK,
-                              self.cfg.train.gamma, self.cfg.train.loss_chunk_tokens)
+            hidden_BAKH = self.module(
+                input_ids_BL, target_hidden_BLF, anchors_BA, seq_lens_B, noise_std=noise
+            )
+            out = dflash_loss(
+                hidden_BAKH,
+                self.model.lm_head_weight,
+                labels_BAK,
+                valid_BAK,
+                self.cfg.train.gamma,
+                self.cfg.train.loss_chunk_tokens,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip)
+            [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip
+        )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         loss = float(out.loss.detach())
-        return StepResult(step=self.step, loss=loss, acc=out.acc, acc_per_pos=out.acc_per_pos, streak=out.streak,
-                          lr=lr, noise=noise, grad_norm=float(grad_norm), tokens=int(seq_lens_B.sum()),
-                          block_tokens=out.tokens, seconds=time.perf_counter() - t0)
+        return StepResult(
+            step=self.step,
+            loss=loss,
+            acc=out.acc,
+            acc_per_pos=out.acc_per_pos,
+            streak=out.streak,
+            lr=lr,
+            noise=noise,
+            grad_norm=float(grad_norm),
+            tokens=int(seq_lens_B.sum()),
+            block_tokens=out.tokens,
+            seconds=time.perf_counter() - t0,
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "anchor_gen": self.anchor_gen.get_state()}
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "anchor_gen": self.anchor_gen.get_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
@@ -176,8 +228,11 @@ class DrafterTrainer:
         really_missing = [k for k in missing if k in trainable]
         if really_missing or unexpected:
             from dflash.errors import DFlashError
-            raise DFlashError(f"checkpoint does not match the drafter: missing {really_missing[:5]}, "
-                              f"unexpected {list(unexpected)[:5]}; was it written with another drafter config?")
+
+            raise DFlashError(
+                f"checkpoint does not match the drafter: missing {really_missing[:5]}, "
+                f"unexpected {list(unexpected)[:5]}; was it written with another drafter config?"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.anchor_gen.set_state(state["anchor_gen"])
@@ -218,26 +273,44 @@ class Meter:
                 self.acc_pos_n[i] += 1
         self.last = r
 
-    def record(self, *, step: int, q_pre: list[int], q_hs: list[int], epoch: float,
-               compile: dict[str, int], gpu_mem_gb: dict[str, float], extra: dict[str, Any] | None = None,
-               ) -> dict[str, Any]:
+    def record(
+        self,
+        *,
+        step: int,
+        q_pre: list[int],
+        q_hs: list[int],
+        epoch: float,
+        compile: dict[str, int],
+        gpu_mem_gb: dict[str, float],
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         now = time.time()
         dt = max(1e-6, now - self.interval_start)
         acc_pos = [s / n if n else None for s, n in zip(self.acc_pos_sum, self.acc_pos_n, strict=True)]
         from dflash.objective import expected_streak
+
         streak = expected_streak([a if a is not None else math.nan for a in acc_pos]) if acc_pos else None
         dft_bps = self.steps / dt
         rec: dict[str, Any] = {
-            "t": now, "elapsed_s": now - self.started_at, "step": step,
+            "t": now,
+            "elapsed_s": now - self.started_at,
+            "step": step,
             "loss": self.loss_sum / self.steps if self.steps else None,
             "acc": self.acc_sum / self.steps if self.steps else None,
-            "acc_per_pos": acc_pos, "streak": streak,
-            "lr": self.last.lr if self.last else None, "noise": self.last.noise if self.last else None,
+            "acc_per_pos": acc_pos,
+            "streak": streak,
+            "lr": self.last.lr if self.last else None,
+            "noise": self.last.noise if self.last else None,
             "grad_norm": self.last.grad_norm if self.last else None,
-            "tgt_bps": self.tgt_batches / dt, "dft_bps": dft_bps, "tok_s": self.tokens / dt,
-            "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch,
+            "tgt_bps": self.tgt_batches / dt,
+            "dft_bps": dft_bps,
+            "tok_s": self.tokens / dt,
+            "q_pre": q_pre,
+            "q_hs": q_hs,
+            "epoch": epoch,
             "eta_s": (self.total_steps - step) / dft_bps if dft_bps > 0 else None,
-            "compile": compile, "gpu_mem_gb": gpu_mem_gb,
+            "compile": compile,
+            "gpu_mem_gb": gpu_mem_gb,
         }
         if extra:
             rec.update(extra)

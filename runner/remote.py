@@ -31,40 +31,62 @@ def remote_argv(host: str | None, argv: Sequence[str]) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", *ssh_opts(), host, "--", shlex.join(argv)]
 
 
-def run(host: str | None, argv: Sequence[str], *, input: bytes | None = None, check: bool = True,
-        capture: bool = True, timeout: float | None = None, env: dict[str, str] | None = None,
-        ) -> subprocess.CompletedProcess[bytes]:
+def run(
+    host: str | None,
+    argv: Sequence[str],
+    *,
+    input: bytes | None = None,
+    check: bool = True,
+    capture: bool = True,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
     """Run argv on host. With check, a non-zero exit raises RunnerError quoting stderr's tail."""
     full = remote_argv(host, argv)
     if env and host is not None:
         full[-1] = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " + full[-1]
         env = None
     try:
-        proc = subprocess.run(full, input=input, capture_output=capture, timeout=timeout,
-                              env={**os.environ, **env} if env else None)
+        proc = subprocess.run(
+            full,
+            input=input,
+            capture_output=capture,
+            timeout=timeout,
+            env={**os.environ, **env} if env else None,
+        )
     except FileNotFoundError as e:
         raise RunnerError(f"cannot run {full[0]!r}: {e.strerror}; is it installed and on PATH?") from e
     except subprocess.TimeoutExpired as e:
-        raise RunnerError(f"{shlex.join(argv)} on {host or 'this machine'} did not finish within {timeout} s") from e
+        raise RunnerError(
+            f"{shlex.join(argv)} on {host or 'this machine'} did not finish within {timeout} s"
+        ) from e
     if check and proc.returncode != 0:
         where = host or "this machine"
         tail = (proc.stderr or b"").decode(errors="replace").strip().splitlines()[-15:]
         hint = ""
         if host is not None and proc.returncode == 255:
             hint = " (ssh could not connect: check the host, your key, and DFLASH_SSH_OPTS)"
-        raise RunnerError(f"`{shlex.join(argv)}` failed on {where} with exit code {proc.returncode}{hint}\n"
-                          + "\n".join(tail))
+        raise RunnerError(
+            f"`{shlex.join(argv)}` failed on {where} with exit code {proc.returncode}{hint}\n"
+            + "\n".join(tail)
+        )
     return proc
 
 
 def copy_to(host: str | None, local: str, remote: str) -> None:
     """Copy a local file or directory to host:remote (a plain copy when host is None)."""
-    argv = ["cp", "-a", local, remote] if host is None else ["scp", "-q", "-r", "-o", "BatchMode=yes",
-                                                              *_scp_opts(), local, f"{host}:{remote}"]
+    argv = (
+        ["cp", "-a", local, remote]
+        if host is None
+        else ["scp", "-q", "-r", "-o", "BatchMode=yes", *_scp_opts(), local, f"{host}:{remote}"]
+    )
     run(None, argv)
 
 
 def copy_from(host: str | None, remote: str, local: str) -> None:
-    argv = ["cp", "-a", remote, local] if host is None else ["scp", "-q", "-r", "-o", "BatchMode=yes",
-                                                              *_scp_opts(), f"{host}:{remote}", local]
+    argv = (
+        ["cp", "-a", remote, local]
+        if host is None
+        else ["scp", "-q", "-r", "-o", "BatchMode=yes", *_scp_opts(), f"{host}:{remote}", local]
+    )
     run(None, argv)

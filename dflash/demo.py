@@ -1,0 +1,246 @@
+"""The built-in demo: a deterministic, learnable synthetic corpus and a tiny random Qwen3 target with a
+real Hugging Face tokenizer, both written to disk so that the job loads them through the same code
+paths as a real run (AutoTokenizer, AutoModelForCausalLM, safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+_COLORS = ["red", "blue", "green", "small", "old", "happy"]
+_ANIMALS = ["cat", "dog", "bird", "fox", "horse", "fish"]
+_VERBS = ["sees", "likes", "follows", "finds", "helps"]
+_PLACES = ["park", "house", "river", "garden", "forest"]
+
+
+def _story(rng: random.Random) -> str:
+    # Subject-verb-object sentences over a tiny vocabulary: after a few words the rest is predictable.
+    out = []
+    for _ in range(rng.randint(4, 9)):
+        a, b = rng.sample(_ANIMALS, 2)
+        out.append(
+            f"The {rng.choice(_COLORS)} {a} {rng.choice(_VERBS)} the {rng.choice(_COLORS)} {b} "
+            f"near the {rng.choice(_PLACES)}."
+        )
+    return " ".join(out)
+
+
+def _sums(rng: random.Random, n: int) -> str:
+    return " ".join(f"{a} + {b} = {a + b}." for a, b in ((rng.randint(0, 20), rng.randint(0, 20)) for _ in range(n)))
+
+
+def _counting(rng: random.Random) -> str:
+    start, step = rng.randint(0, 50), rng.randint(1, 3)
+    return "Count: " + " ".join(str(start + step * i) for i in range(rng.randint(15, 40))) + "."
+
+
+def _chat(rng: random.Random) -> dict[str, object]:
+    pairs = [(rng.randint(0, 20), rng.randint(0, 20)) for _ in range(rng.randint(3, 6))]
+    question = "Please add: " + ", ".join(f"{a} and {b}" for a, b in pairs) + "."
+    answer = " ".join(f"{a} + {b} = {a + b}." for a, b in pairs)
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    if rng.random() < 0.5:
+        messages = [{"role": "system", "content": "You are a careful calculator."}, *messages]
+    return {"messages": messages}
+
+
+def demo_records(n_records: int, seed: int) -> list[dict[str, object]]:
+    rng = random.Random(seed)
+    records: list[dict[str, object]] = []
+    for i in range(n_records):
+        kind = i % 5
+        if kind in (0, 1):
+            records.append({"text": _story(rng)})
+        elif kind == 2:
+            records.append({"text": _sums(rng, rng.randint(6, 14))})
+        elif kind == 3:
+            records.append({"text": _counting(rng)})
+        else:
+            records.append(_chat(rng))
+    return records
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_demo_corpus(path: Path, n_records: int = 2000, seed: int = 0) -> Path:
+    """Write the demo JSONL (deterministic in n_records and seed). Rewriting the same bytes keeps the
+    tokenized-data cache valid because the cache is keyed by content, not mtime."""
+    path = Path(path)
+    text = "".join(json.dumps(r) + "\n" for r in demo_records(n_records, seed))
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return path
+    _atomic_write_text(path, text)
+    return path
+
+
+# ---- tiny target: tokenizer -------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable bytes map to themselves, the rest to code points from
+    256 up, so every byte is a visible character that BPE can merge."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _learn_merges(words: Counter[str], num_merges: int) -> list[tuple[str, str]]:
+    """Plain BPE on byte-level words; ties broken by the pair itself so the result is reproducible."""
+    split = {w: list(w) for w in words}
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, count in words.items():
+            parts = split[w]
+            for a, b in zip(parts, parts[1:], strict=False):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        if pairs[best] < 2:
+            break
+        merges.append(best)
+        for w, parts in split.items():
+            i, merged = 0, []
+            while i < len(parts):
+                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            split[w] = merged
+    return merges
+
+
+def build_tiny_tokenizer(num_merges: int = 96):  # -> transformers tokenizer
+    """A byte-level BPE tokenizer (real `tokenizers` model, merges learned here from the demo corpus)
+    with pad/eos/mask specials and a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    words: Counter[str] = Counter()
+    for rec in demo_records(200, seed=1):
+        texts = [str(rec["text"])] if "text" in rec else [str(m["content"]) for m in rec["messages"]]  # type: ignore[union-attr]
+        for t in texts:
+            words.update(piece for piece, _ in pre.pre_tokenize_str(t))
+    alphabet = [_bytes_to_unicode()[b] for b in range(256)]
+    merges = _learn_merges(words, num_merges)
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(list(SPECIAL_TOKENS))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+# ---- tiny target: model -----------------------------------------------------------------------
+
+_MARKER = "dflash_tiny.json"
+
+
+def _tiny_complete(path: Path, spec: dict[str, object]) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()) == spec
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def make_tiny_target(
+    path: Path, *, layers: int = 8, hidden: int = 64, seed: int = 0, tie_embeddings: bool = False
+) -> Path:
+    """A tiny random Qwen3ForCausalLM + tokenizer saved in the HF format (bf16 safetensors). Reused when
+    a complete one with the same parameters exists; built in a temp dir and renamed into place."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise DFlashError(f"tiny target: layers must be >= 1 and hidden a multiple of 16, got {layers}, {hidden}")
+    spec = {"version": 1, "layers": layers, "hidden": hidden, "seed": seed, "tie": tie_embeddings}
+    if _tiny_complete(path, spec):
+        return path
+
+    tok = build_tiny_tokenizer()
+    vocab = -(-len(tok) // 64) * 64  # padded like real checkpoints: the embedding is larger than len(tok)
+    head_dim = 16
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=max(1, hidden // head_dim // 2),
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / _MARKER).write_text(json.dumps(spec))
+        if path.exists():
+            # A stale or incomplete one: move it aside before replacing (rename is atomic, rmtree is not).
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+            os.replace(path, aside / "old")
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            # Another process finished first; use theirs if it is what we wanted.
+            if not _tiny_complete(path, spec):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

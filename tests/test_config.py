@@ -1,0 +1,73 @@
+import pytest
+
+from dflash.config import load_config
+from dflash.errors import ConfigError
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+BASE = '[target]\npath = "tiny"\n[data]\npath = "demo"\n'
+
+
+def test_shipped_configs_load(repo):
+    for name in ("demo-cpu", "qwen3-8b", "qwen3.6-27b-5t3d"):
+        cfg = load_config(repo / "configs" / f"{name}.toml")
+        assert cfg.run.name == name
+    field = load_config(repo / "configs" / "qwen3.6-27b-5t3d.toml")
+    assert (field.pipeline.targets, field.pipeline.drafters) == (5, 3)
+    assert (field.train.token_budget, field.train.max_batch_size) == (49152, 64)
+    assert field.drafter.layer_types.count("sliding_attention") == 4
+    assert field.drafter.layer_types[-1] == "full_attention"
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, BASE + "[train]\ntotal_step = 3\n"))
+    assert e.value.key == "train.total_step"
+    assert "total_steps" in str(e.value)  # the message lists the known keys
+
+
+def test_bad_value_is_named(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, BASE + '[train]\ntoken_budget = "big"\n'))
+    assert e.value.key == "train.token_budget"
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, BASE + '[attention]\nbackend = "flash"\n'))
+    assert e.value.key == "attention.backend"
+
+
+def test_missing_required(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, '[target]\npath = "tiny"\n'))
+    assert e.value.key == "data"
+
+
+def test_overrides_win_over_file(tmp_path):
+    cfg = load_config(
+        _write(tmp_path, BASE + "[train]\ntotal_steps = 3\n"),
+        [
+            "train.total_steps=7",
+            "drafter.layer_types=['full_attention']",
+            "drafter.num_layers=1",
+            "run.name=x-y",
+        ],
+    )
+    assert cfg.train.total_steps == 7
+    assert cfg.drafter.layer_types == ["full_attention"]
+    assert cfg.run.name == "x-y"
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, BASE), ["train.nope=1"])
+    assert e.value.key == "train.nope"
+    with pytest.raises(ConfigError):
+        load_config(_write(tmp_path, BASE), ["no-equals-sign"])
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[run\n"))

@@ -1,0 +1,71 @@
+import math
+
+import torch
+
+from dflash.objective import block_labels, dflash_loss, expected_streak, position_weights, sample_anchors
+
+
+def test_anchor_sampling_respects_loss_mask_and_lengths():
+    g = torch.Generator().manual_seed(0)
+    L = 40
+    loss = torch.zeros(3, L, dtype=torch.bool)
+    loss[0, 10:30] = True
+    loss[1, :] = True
+    seq = torch.tensor([30, 20, 0])
+    a = sample_anchors(loss, seq, 8, g)
+    assert a.shape == (3, 8)
+    for b in range(3):
+        valid = a[b][a[b] >= 0]
+        assert torch.all(valid[1:] > valid[:-1]), "anchors sorted and distinct"
+        assert torch.all(valid + 1 < seq[b]), "the first predicted token is inside the sequence"
+        assert torch.all(loss[b, valid + 1]), "the first predicted token is a loss token"
+    assert (a[0] >= 9).all() and (a[0] <= 28).all()
+    assert (a[2] == -1).all(), "an empty row gets no anchors"
+    few = sample_anchors(loss[:1, :12], torch.tensor([12]), 8, g)
+    assert few[0, :3].tolist() == [9, 10, -1]  # next token (10, 11) must be a loss token inside the row
+
+
+def test_labels_and_validity():
+    ids = torch.arange(20).unsqueeze(0)
+    loss = torch.ones(1, 20, dtype=torch.bool)
+    loss[0, 12] = False
+    labels, valid = block_labels(ids, loss, torch.tensor([15]), torch.tensor([[9, -1]]), 4)
+    assert labels[0, 0].tolist() == [9, 10, 11, 12]
+    assert valid[0, 0].tolist() == [False, True, True, False]  # k=0 never trained; 12 is not a loss token
+    assert not valid[0, 1].any()
+    _, v2 = block_labels(ids, loss, torch.tensor([11]), torch.tensor([[9, -1]]), 4)
+    assert v2[0, 0].tolist() == [False, True, False, False]  # past the sequence end
+
+
+def test_weights_and_streak():
+    w = position_weights(4, 7.0)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[3]), math.exp(-2 / 7), rel_tol=1e-6)
+    assert expected_streak([1.0, 1.0, 1.0]) == 3.0
+    assert math.isclose(expected_streak([0.5, 0.5]), 0.5 + 0.25)
+    assert expected_streak([0.9, float("nan"), 1.0]) == 0.9
+
+
+def test_loss_matches_dense_reference_and_chunking():
+    torch.manual_seed(0)
+    B, A, K, H, V = 2, 3, 5, 8, 11
+    hidden = torch.randn(B, A, K, H, requires_grad=True)
+    head = torch.randn(V, H)
+    labels = torch.randint(0, V, (B, A, K))
+    valid = torch.rand(B, A, K) > 0.3
+    valid[..., 0] = False
+    out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=4)
+    out.loss.backward()
+    g_chunked = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ head.t()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
+    w = position_weights(K, 7.0).expand(B, A, K).reshape(-1) * valid.reshape(-1)
+    ref = (ce * w).sum() / w.sum()
+    ref.backward()
+    assert torch.allclose(out.loss, ref, atol=1e-5)
+    assert torch.allclose(g_chunked, hidden.grad, atol=1e-6)
+    correct = (logits.argmax(-1) == labels) & valid
+    assert out.tokens == int(valid.sum())
+    assert math.isclose(out.acc, float(correct.sum() / valid.sum()), rel_tol=1e-6)
+    k1 = float(correct[..., 1].sum() / valid[..., 1].sum())
+    assert math.isclose(out.acc_per_pos[0], k1, rel_tol=1e-6)

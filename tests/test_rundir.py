@@ -1,0 +1,63 @@
+import json
+import os
+import time
+
+import pytest
+
+from dflash.rundir import Heartbeat, RunDir, format_status_line, parse_status_line, read_jsonl
+
+FIELD_23M = (
+    "[23m] step=14 loss=10.6894 acc=0.011 streak=0.0 lr=7.53e-06 noise=0.0006 | tgt=0.11b/s "
+    "dft=0.11b/s (4.6Ktok/s) | q_pre=[50, 46, 48, 46, 47] q_hs=[0] | epoch~0.01 ETA=36.9d"
+)
+FIELD_14M = (
+    "[14m] step=12 loss=--- acc=--- streak=--- lr=--- noise=0.0005 | tgt=0.11b/s dft=0.10b/s "
+    "(4.2Ktok/s) | q_pre=[50, 47, 48, 50, 49] q_hs=[2] | epoch~0.01 ETA=37.5d"
+)
+
+
+def test_parse_field_lines():
+    m = parse_status_line(FIELD_23M)
+    assert m["step"] == 14 and m["loss"] == pytest.approx(10.6894) and m["acc"] == pytest.approx(0.011)
+    assert m["q_pre"] == [50, 46, 48, 46, 47] and m["q_hs"] == [0]
+    assert m["tok_s"] == pytest.approx(4600) and m["eta_s"] == pytest.approx(36.9 * 86400)
+    m2 = parse_status_line(FIELD_14M)
+    assert (
+        m2["loss"] is None and m2["lr"] is None and m2["q_hs"] == [2] and m2["dft_bps"] == pytest.approx(0.10)
+    )
+    with pytest.raises(ValueError):
+        parse_status_line("step=1 loss=2")
+
+
+def test_format_round_trips_field_line():
+    assert format_status_line(parse_status_line(FIELD_23M)) == FIELD_23M
+    assert format_status_line(parse_status_line(FIELD_14M)) == FIELD_14M
+
+
+def test_events_metrics_and_torn_line(tmp_path):
+    run = RunDir(tmp_path / "r").create()
+    run.event("started", step=0)
+    run.metric({"step": 1, "loss": float("nan")})
+    with open(run.events, "a") as f:
+        f.write('{"event": "torn"')  # a writer killed mid-line
+    assert [e["event"] for e in run.read_events()] == ["started"]
+    assert run.read_metrics()[0]["loss"] is None  # NaN is not JSON
+    assert list(read_jsonl(tmp_path / "missing.jsonl")) == []
+
+
+def test_heartbeat_rewritten_while_blocked(tmp_path):
+    run = RunDir(tmp_path / "r").create()
+    hb = Heartbeat(run, "drafter", 2, rank=2, device="cpu", interval_s=0.1).start()
+    hb.set("waiting_input")
+    first = json.loads(run.heartbeat_path("drafter", 2).read_text())
+    time.sleep(0.35)  # the worker is "blocked": no calls, yet the file keeps being rewritten
+    second = json.loads(run.heartbeat_path("drafter", 2).read_text())
+    assert second["updated_at"] > first["updated_at"]
+    assert second["state"] == "waiting_input" and second["pid"] == os.getpid() and second["rank"] == 2
+    hb.set("computing", progress=True, step=5)
+    hb.stop()
+    final = json.loads(run.heartbeat_path("drafter", 2).read_text())
+    assert final["state"] == "stopped" and final["step"] == 5
+    assert not list(run.workers.glob(".*.tmp"))  # no temp files left behind
+    with pytest.raises(ValueError):
+        hb.set("sleeping")
