@@ -1,0 +1,261 @@
+"""The multi-process job: T target workers + a restartable drafter group, on one host or several.
+
+    python -m dflash.launch CONFIG [--set k=v ...] [--run-dir DIR]
+        [--nnodes N --node-rank I --rdzv-endpoint HOST:PORT]    # several hosts: one command per host
+    python -m dflash.launch CONFIG --plan                       # print the command of every host
+
+The supervisor (this process) creates the run directory and the host's hidden-state queue, starts one
+process per target worker and runs the drafters under torchrun (torch.distributed.elastic) with
+`pipeline.max_restarts`: a drafter death restarts the drafter group from its last checkpoint while
+the targets keep their weights and pids. A target death stops the job cleanly (final checkpoint,
+event `stopped`) unless `pipeline.restart_targets` is set. SIGTERM/SIGINT stops gracefully (drafters
+checkpoint); a second signal kills everything at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.config import JobConfig, load_config
+from dflash.errors import DFlashError
+from dflash.rundir import RunDir, format_status_line, read_jsonl
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-dir")
+    p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (overrides pipeline.rdzv_endpoint)")
+    p.add_argument("--plan", action="store_true", help="print the command each host runs, then exit")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
+    import torch
+
+    p = cfg.pipeline
+    cuda = cfg.run.device in ("cuda", "auto") and torch.cuda.is_available()
+    n = torch.cuda.device_count() if cuda else 0
+    targets = p.target_devices or [f"cuda:{i % n}" if cuda else "cpu" for i in range(p.targets)]
+    drafters = p.drafter_devices or [f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)]
+    if len(targets) != p.targets:
+        raise DFlashError(f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets")
+    if len(drafters) != p.drafters:
+        raise DFlashError(f"pipeline.drafter_devices lists {len(drafters)} devices for {p.drafters} drafters")
+    return targets, drafters
+
+
+def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
+    """The largest batch the targets can publish: each length bucket pads to a fixed row count."""
+    from dflash.trainer import rows_for_length
+
+    if cfg.pipeline.slot_mb:
+        return cfg.pipeline.slot_mb << 20
+    m = cfg.data.bucket_multiple
+    largest = 0
+    for length in range(m, -(-cfg.data.max_seq_len // m) * m + 1, m):
+        rows = rows_for_length(cfg, length)
+        largest = max(largest, rows * length * (features * elem_bytes + 8 + 1) + rows * 8)
+    return largest + (1 << 16)  # headers and alignment
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env={**os.environ, **(env or {})})
+        self.starts += 1
+
+    def poll(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Supervisor:
+    cfg: JobConfig
+    run: RunDir
+    config_path: str
+    overrides: list[str]
+    node_rank: int
+    nnodes: int
+    rdzv_endpoint: str
+    targets: list[Proc] = field(default_factory=list)
+    drafters: Proc | None = None
+    stopping: str = ""
+    signals: int = 0
+    metrics_seen: int = 0
+
+    def worker_args(self) -> list[str]:
+        sets = [a for o in self.overrides for a in ("--set", o)]
+        return [self.config_path, *sets, "--run-dir", str(self.run.root)]
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.stopping = f"signal {signal.Signals(signum).name}"
+            if self.drafters:
+                self.drafters.signal(signal.SIGTERM)
+        else:
+            for p in [*self.targets, *([self.drafters] if self.drafters else [])]:
+                p.signal(signal.SIGKILL)
+
+    def start(self, queue_name: str) -> None:
+        target_devs, _ = _devices(self.cfg)
+        T = self.cfg.pipeline.targets
+        for i, dev in enumerate(target_devs):
+            index = self.node_rank * T + i
+            proc = Proc(f"target-{index}", [sys.executable, "-m", "dflash.pipeline.target_worker", *self.worker_args(),
+                                             "--index", str(index), "--queue", queue_name, "--device", dev],
+                        self.run.log_path("target", index))
+            proc.start()
+            self.targets.append(proc)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
+                    f"--nproc-per-node={self.cfg.pipeline.drafters}", f"--max-restarts={self.cfg.pipeline.max_restarts}",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
+                    f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.run.root.name}", "--monitor-interval=0.5",
+                    "-m", "dflash.pipeline.drafter_worker", *self.worker_args(), "--queue", queue_name]
+        self.drafters = Proc("drafter-group", torchrun, self.run.logs / f"drafter-group-node{self.node_rank}.log")
+        self.drafters.start(env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        self.run.event("launched", node_rank=self.node_rank, nnodes=self.nnodes,
+                       targets={p.name: p.popen.pid for p in self.targets if p.popen},
+                       target_devices=target_devs, drafter_group_pid=self.drafters.popen.pid if self.drafters.popen else None,
+                       commands={p.name: shlex.join(p.argv) for p in [*self.targets, self.drafters]})
+
+    def echo_metrics(self) -> None:
+        records = list(read_jsonl(self.run.metrics))
+        for rec in records[self.metrics_seen:]:
+            print(format_status_line(rec), flush=True)
+        self.metrics_seen = len(records)
+
+    def watch(self) -> int:
+        assert self.drafters is not None
+        while True:
+            time.sleep(0.5)
+            self.echo_metrics()
+            for proc in self.targets:
+                code = proc.poll()
+                if code is None or self.stopping:
+                    continue
+                self.run.event("worker_died", worker=proc.name, exit_code=code)
+                if self.cfg.pipeline.restart_targets:
+                    proc.start()
+                    self.run.event("restart", role="target", worker=proc.name,
+                                   pid=proc.popen.pid if proc.popen else None)
+                else:
+                    self.stopping = f"{proc.name} died (exit code {code})"
+                    self.drafters.signal(signal.SIGTERM)
+            code = self.drafters.poll()
+            if code is not None:
+                return code
+
+    def shutdown(self, drafter_code: int) -> dict[str, Any]:
+        for proc in self.targets:
+            proc.signal(signal.SIGTERM)
+        deadline = time.time() + 20
+        for proc in self.targets:
+            while proc.poll() is None and time.time() < deadline:
+                time.sleep(0.1)
+            proc.signal(signal.SIGKILL)
+        self.echo_metrics()
+        if self.stopping:
+            return {"reason": self.stopping, "drafter_exit_code": drafter_code}
+        if drafter_code == 0:
+            return {"reason": "completed", "drafter_exit_code": 0}
+        return {"reason": f"drafter group failed (exit code {drafter_code}) after up to "
+                          f"{self.cfg.pipeline.max_restarts} restarts; see logs/drafter-*.log",
+                "drafter_exit_code": drafter_code}
+
+
+def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> list[str]:
+    run_dir = args.run_dir or str(Path(cfg.run.runs_root) / cfg.run.name)
+    sets = [a for o in args.overrides for a in ("--set", o)]
+    return [shlex.join([sys.executable, "-m", "dflash.launch", args.config, *sets, "--run-dir", run_dir,
+                        "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", endpoint])
+            for i in range(nnodes)]
+
+
+def launch(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from dflash.model import resolve_spec
+    from dflash.pipeline.transport import HiddenStateQueue, name_for_run
+    from dflash.session import open_run_dir, prepare_data, torch_dtype
+
+    cfg = load_config(args.config, args.overrides)
+    nnodes = args.nnodes or cfg.pipeline.nnodes
+    endpoint = args.rdzv_endpoint or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else f"127.0.0.1:{_free_port()}")
+    if args.plan:
+        print("\n".join(plan(cfg, args, nnodes, endpoint)))
+        return 0
+    run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
+    parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
+    spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+    features = len(spec.target_layer_ids) * spec.target_hidden_size
+    elem = torch_dtype(cfg.target.dtype).itemsize
+    name = f"{name_for_run(run.root)}-n{args.node_rank}"
+    queue = HiddenStateQueue.create(name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem))
+    sup = Supervisor(cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint)
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    signal.signal(signal.SIGINT, sup.on_signal)
+    try:
+        sup.start(name)
+        code = sup.watch()
+        outcome = sup.shutdown(code)
+    finally:
+        for p in [*sup.targets, *([sup.drafters] if sup.drafters else [])]:
+            p.signal(signal.SIGKILL)
+        stats = queue.stats()
+        queue.close()
+        queue.unlink()
+    counters = {k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")}
+    run.event("stopped", node_rank=args.node_rank, queue=counters, ready_at_end=stats.get("ready"),
+              target_starts={p.name: p.starts for p in sup.targets}, **outcome)
+    print(f"{outcome['reason']}; run directory: {run.root}", flush=True)
+    return 0 if outcome["reason"] == "completed" or outcome["reason"].startswith("signal") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return launch(args)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

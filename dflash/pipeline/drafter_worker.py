@@ -1,0 +1,232 @@
+"""Drafter worker: one process per drafter GPU, launched by torchrun (torch.distributed.elastic).
+
+    torchrun --nproc-per-node D --max-restarts R ... -m dflash.pipeline.drafter_worker CONFIG \
+        --run-dir DIR --queue NAME [--set k=v ...]
+
+The D workers of all hosts form one data-parallel group (NCCL on GPU, gloo on CPU). Each leases
+hidden-state batches from its host's queue and acks them after the optimizer step. When any worker
+dies, torchrun restarts the whole group; the new generation registers with the queue (the dead
+generation's leases are delivered again) and resumes from the newest checkpoint. The target
+processes are not in this group and keep running.
+
+Every host's local rank 0 writes checkpoints to its own run directory (replicas are identical), so a
+restarted group resumes on any host without a shared filesystem: the group agrees on the newest
+step that every rank can read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import JobConfig, load_config
+from dflash.rundir import Heartbeat, RunDir, format_status_line, read_jsonl
+
+
+class Group:
+    """The distributed facts this worker needs, from torchrun's environment."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(
+            t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        )
+        return t.tolist()
+
+
+def _target_q_pre(run: RunDir, targets: int) -> list[int]:
+    import json
+
+    out = []
+    for i in range(targets):
+        try:
+            out.append(int(json.loads(run.heartbeat_path("target", i).read_text()).get("q_pre", 0)))
+        except (OSError, ValueError):
+            out.append(0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.pipeline.drafter_worker")
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--queue", required=True)
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    return run_drafter(cfg, RunDir(args.run_dir), args.queue)
+
+
+def _device(cfg: JobConfig, g: Group) -> torch.device:
+    if cfg.pipeline.drafter_devices:
+        return torch.device(cfg.pipeline.drafter_devices[g.local_rank % len(cfg.pipeline.drafter_devices)])
+    if cfg.run.device in ("cuda", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", g.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _resume_step(side: Any, g: Group) -> int:
+    """The newest checkpoint step every rank can read (-1: start fresh)."""
+    from dflash.checkpoint import find_latest
+
+    found = find_latest(side.run.checkpoints)
+    local = int(found.path.name.split("-")[1]) if found.path else -1
+    return int(g.all_reduce([float(local)], "min")[0])
+
+
+def _redirect_output(path: Any) -> None:
+    """The contract's per-worker log: this process's stdout and stderr append to logs/<role>-<index>.log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
+    from dflash.kernels import compile_counters
+    from dflash.pipeline.transport import HiddenStateQueue
+    from dflash.session import DrafterSide, gpu_mem_gb, prepare_data
+    from dflash.trainer import Meter
+
+    g = Group()
+    device = _device(cfg, g)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if g.world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    worker = f"drafter-{g.rank}"
+    _redirect_output(run.log_path("drafter", g.rank))
+    hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        parts = prepare_data(cfg, run)
+        side = DrafterSide(cfg, run, parts, device, rank=g.rank, world_size=g.world, worker=worker)
+        step = _resume_step(side, g)
+        if step >= 0:
+            from dflash.checkpoint import load_checkpoint
+
+            weights, _, state = load_checkpoint(run.checkpoints / f"step-{step}", map_location=device)
+            side.trainer.load_state_dict(state["trainer"], weights)
+        hs = HiddenStateQueue.attach(queue_name)
+        reclaimed = hs.register_consumer(g.generation)
+        if g.rank == 0:
+            kind = "restart" if g.generation > 0 else "started"
+            run.event(
+                kind,
+                role="drafter-group",
+                generation=g.generation,
+                world_size=g.world,
+                resumed_from=step if step >= 0 else None,
+                reclaimed_batches=reclaimed,
+                backend=side.trainer.backend,
+            )
+        trainer = side.trainer
+        meter = Meter(total_steps=cfg.train.total_steps)
+        last_status, last_produced = time.time(), hs.stats()["produced"]
+        writes_checkpoints = g.local_rank == 0
+        total = cfg.train.total_steps
+        log_batches = os.environ.get("DFLASH_LOG_BATCHES") == "1"
+        while trainer.step < total:
+            # Every rank must agree to stop at the same step, or the next all-reduce hangs.
+            if g.all_reduce([1.0 if stop.is_set() else 0.0], "max")[0] > 0:
+                break
+            hb.set("waiting_input")
+            lease = hs.get(device=device, timeout=None, stop=stop, on_wait=lambda: hb.set("waiting_input"))
+            if lease is None:  # stopped while waiting (e.g. the targets are gone)
+                break
+            t = lease.tensors
+            hb.set("compiling" if side.compiles.is_new(tuple(t["input_ids"].shape)) else "computing")
+            result = side.step(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"])
+            hs.ack(lease)
+            if log_batches:
+                run.event(
+                    "batch",
+                    worker=worker,
+                    step=trainer.step,
+                    generation=g.generation,
+                    target=lease.meta.get("target"),
+                    batch=lease.meta.get("batch"),
+                    seq=lease.seq,
+                    deliveries=lease.deliveries,
+                )
+            meter.add_step(result)
+            hb.set("computing", progress=True, step=trainer.step)
+            due = time.time() - last_status >= cfg.run.status_interval_s or trainer.step == total
+            if due and g.local_rank == 0:
+                stats = hs.stats()
+                meter.add_target(stats["produced"] - last_produced)
+                last_produced = stats["produced"]
+                rec = meter.record(
+                    step=trainer.step,
+                    q_pre=_target_q_pre(run, cfg.pipeline.targets),
+                    q_hs=[hs.depth()],
+                    epoch=float(lease.meta.get("epoch", 0.0)),
+                    compile=compile_counters(),
+                    gpu_mem_gb=gpu_mem_gb(device, worker),
+                    extra={
+                        "world_size": g.world,
+                        "generation": g.generation,
+                        "queue": {k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")},
+                    },
+                )
+                run.metric(rec)
+                print(format_status_line(rec), flush=True)
+                last_status = time.time()
+            if trainer.step % cfg.train.checkpoint_every == 0 or trainer.step == total:
+                hb.set("checkpointing")
+                if writes_checkpoints:
+                    side.checkpoint({}, {})
+                if g.world > 1:
+                    dist.barrier()
+        if stop.is_set() and writes_checkpoints and trainer.step > 0:
+            hb.set("checkpointing")
+            side.checkpoint({}, {})
+        if g.rank == 0:
+            stats = hs.stats()
+            run.event(
+                "drafters_done",
+                step=trainer.step,
+                stopped_by_signal=stop.is_set(),
+                queue={k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")},
+            )
+        hs.close()
+        side.close()
+        return 0
+    except Exception as e:
+        run.event("worker_error", worker=worker, generation=g.generation, error=f"{type(e).__name__}: {e}")
+        print(f"{worker}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        hb.stop()
+        if g.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def delivered_batches(run: RunDir) -> list[dict[str, Any]]:
+    """The `batch` events (DFLASH_LOG_BATCHES=1): which batch each step trained on."""
+    return [e for e in read_jsonl(run.events) if e.get("event") == "batch"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Target worker: one process per target (GPU or CPU).
+
+    python -m dflash.pipeline.target_worker --run-dir DIR --index I --queue NAME CONFIG [--set k=v ...]
+
+A prefetch thread turns the worker's data shard into padded CPU batches (q_pre = its depth; no
+compiled work ever runs in that thread); the main thread runs the frozen forward, captures the k
+layers and publishes them to the hidden-state queue, blocking (state waiting_output) while it is full.
+The worker's data position is persisted after every published batch, so a relaunched job continues
+its shard where it stopped. The process keeps its weights across drafter-group restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import JobConfig, load_config
+from dflash.rundir import Heartbeat, RunDir, atomic_write_json
+
+
+def data_state_path(run: RunDir, index: int) -> Path:
+    return run.workers / f"target-{index}.data.json"
+
+
+class Prefetcher:
+    """Fills a bounded queue of padded CPU batches from this target's data shard."""
+
+    def __init__(self, cfg: JobConfig, batcher: Any, depth: int, stop: threading.Event) -> None:
+        from dflash.trainer import pad_rows, rows_for_length
+
+        self._pad, self._rows = pad_rows, rows_for_length
+        self.cfg, self.batcher, self.stop = cfg, batcher, stop
+        self.q: queue.Queue[tuple[dict[str, torch.Tensor], dict[str, Any]]] = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for batch in self.batcher:
+                rows = self._rows(self.cfg, batch.input_ids_BL.shape[1])
+                ids, mask, lens = self._pad(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
+                item = (
+                    {"input_ids": ids, "loss_mask": mask, "seq_lens": lens},
+                    {
+                        "data_state": self.batcher.state_dict(),
+                        "tokens": int(batch.num_tokens),
+                        "epoch": float(self.batcher.epoch_progress),
+                    },
+                )
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # surfaced by the main thread
+            self.error = e
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.pipeline.target_worker")
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--queue", required=True)
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    run = RunDir(args.run_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return run_target(cfg, run, args.index, args.queue, args.device or "cpu", stop)
+
+
+def run_target(
+    cfg: JobConfig, run: RunDir, index: int, queue_name: str, device_name: str, stop: threading.Event
+) -> int:
+    import json
+
+    from dflash.model import resolve_spec
+    from dflash.pipeline.transport import HiddenStateQueue
+    from dflash.session import make_batcher, prepare_data, torch_dtype
+    from dflash.target import TargetCapture
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    hb = Heartbeat(run, "target", index, device=str(device)).start()
+    try:
+        parts = prepare_data(cfg, run)
+        batcher = make_batcher(cfg, parts.dataset, rank=index, world_size=cfg.pipeline.targets)
+        state_path = data_state_path(run, index)
+        if state_path.exists():
+            batcher.load_state_dict(json.loads(state_path.read_text()))
+        hb.set("computing", note="loading target")
+        from transformers import AutoConfig
+
+        spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+        target = TargetCapture(
+            parts.target_path, spec.target_layer_ids, dtype=torch_dtype(cfg.target.dtype), device=device
+        )
+        hs = HiddenStateQueue.attach(queue_name)
+        pre = Prefetcher(cfg, batcher, cfg.pipeline.prefetch_depth, stop)
+        pre.thread.start()
+        run.event("worker_ready", worker=f"target-{index}", device=str(device), layers=spec.target_layer_ids)
+        produced = 0
+        while not stop.is_set():
+            hb.set(q_pre=pre.q.qsize())
+            try:
+                tensors, meta = pre.q.get(timeout=0.5)
+            except queue.Empty:
+                if pre.error is not None:
+                    raise pre.error
+                hb.set("waiting_input")
+                continue
+            hb.set("computing")
+            hidden = target(tensors["input_ids"].to(device), tensors["seq_lens"].to(device))
+            meta = {**meta, "target": index, "batch": produced}
+            hb.set("waiting_output", q_pre=pre.q.qsize())
+            ok = hs.put(
+                {**tensors, "hidden": hidden},
+                meta,
+                stop=stop,
+                on_wait=lambda: hb.set("waiting_output", q_pre=pre.q.qsize()),
+            )
+            if not ok:
+                break
+            produced += 1
+            atomic_write_json(state_path, meta["data_state"])
+            hb.set("computing", progress=True, step=produced)
+        hs.close()
+        return 0
+    except Exception as e:
+        run.event("worker_error", worker=f"target-{index}", error=f"{type(e).__name__}: {e}")
+        print(f"target-{index}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        hb.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
