@@ -133,7 +133,10 @@ class DrafterTrainer:
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
-        model = DFlashDrafter(spec, embed_VH.to(device), head_VH.to(device), backend=self.backend).to(device)
+        model = DFlashDrafter(
+            spec, embed_VH.to(device), head_VH.to(device), backend=self.backend,
+            sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks, compile=cfg.attention.compile,
+        ).to(device)
         apply_compile(model, cfg)
         self.model = model
         self.module: nn.Module = model
@@ -184,7 +187,7 @@ class DrafterTrainer:
             )
             out = dflash_loss(
                 hidden_BAKH,
-                self.model.lm_head_weight,
+                self.model.lm_head_weight_VH,
                 labels_BAK,
                 valid_BAK,
                 self.cfg.train.gamma,
