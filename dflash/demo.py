@@ -33,7 +33,9 @@ def _story(rng: random.Random) -> str:
 
 
 def _sums(rng: random.Random, n: int) -> str:
-    return " ".join(f"{a} + {b} = {a + b}." for a, b in ((rng.randint(0, 20), rng.randint(0, 20)) for _ in range(n)))
+    return " ".join(
+        f"{a} + {b} = {a + b}." for a, b in ((rng.randint(0, 20), rng.randint(0, 20)) for _ in range(n))
+    )
 
 
 def _counting(rng: random.Random) -> str:
@@ -150,7 +152,8 @@ def build_tiny_tokenizer(num_merges: int = 96):  # -> transformers tokenizer
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     words: Counter[str] = Counter()
     for rec in demo_records(200, seed=1):
-        texts = [str(rec["text"])] if "text" in rec else [str(m["content"]) for m in rec["messages"]]  # type: ignore[union-attr]
+        messages: list[dict[str, str]] = rec.get("messages", [])  # type: ignore[assignment]
+        texts = [str(rec["text"])] if "text" in rec else [m["content"] for m in messages]
         for t in texts:
             words.update(piece for piece, _ in pre.pre_tokenize_str(t))
     alphabet = [_bytes_to_unicode()[b] for b in range(256)]
@@ -178,7 +181,7 @@ def build_tiny_tokenizer(num_merges: int = 96):  # -> transformers tokenizer
 _MARKER = "dflash_tiny.json"
 
 
-def _tiny_complete(path: Path, spec: dict[str, object]) -> bool:
+def _tiny_complete(path: Path, spec: dict[str, int | bool]) -> bool:
     marker = path / _MARKER
     if not marker.is_file():
         return False
@@ -198,8 +201,16 @@ def make_tiny_target(
 
     path = Path(path)
     if layers < 1 or hidden < 16 or hidden % 16:
-        raise DFlashError(f"tiny target: layers must be >= 1 and hidden a multiple of 16, got {layers}, {hidden}")
-    spec = {"version": 1, "layers": layers, "hidden": hidden, "seed": seed, "tie": tie_embeddings}
+        raise DFlashError(
+            f"tiny target: layers must be >= 1 and hidden a multiple of 16, got {layers}, {hidden}"
+        )
+    spec: dict[str, int | bool] = {
+        "version": 1,
+        "layers": layers,
+        "hidden": hidden,
+        "seed": seed,
+        "tie": tie_embeddings,
+    }
     if _tiny_complete(path, spec):
         return path
 
@@ -215,14 +226,13 @@ def make_tiny_target(
         num_key_value_heads=max(1, hidden // head_dim // 2),
         head_dim=head_dim,
         max_position_embeddings=8192,
-        rope_theta=10000.0,
         tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))

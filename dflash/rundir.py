@@ -130,8 +130,8 @@ class RunDir:
     def read_manifest(self) -> dict[str, Any]:
         return json.loads(self.manifest.read_text())
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        rec = {"t": time.time(), "event": kind, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+    def event(self, name: str, /, **fields: Any) -> dict[str, Any]:
+        rec = {"t": time.time(), "event": name, "host": socket.gethostname(), "pid": os.getpid(), **fields}
         append_jsonl(self.events, _clean(rec))
         return rec
 

@@ -31,6 +31,7 @@ class Tokenizer(Protocol):
     mask_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
     def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]: ...
     def identity(self) -> str: ...
@@ -69,6 +70,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         names = {v: k for k, v in self.special_ids.items()}
@@ -126,18 +130,22 @@ class HFTokenizer:
         except (OSError, ValueError) as e:
             raise DFlashError(
                 f"could not load the target's tokenizer from {self.path}: {e}. Pass a local Hugging Face "
-                "model directory that holds tokenizer files, or set data.tokenizer = \"byte\""
+                'model directory that holds tokenizer files, or set data.tokenizer = "byte"'
             ) from e
         if not getattr(self.hf, "is_fast", False):
             raise DFlashError(
                 f"the tokenizer in {self.path} is not a fast (tokenizers-backed) tokenizer; chat loss masks "
                 "need its offset mapping. Provide a tokenizer.json in the model directory"
             )
-        special = [t for t in (self.hf.pad_token_id, self.hf.eos_token_id, self.hf.mask_token_id) if t is not None]
+        special = [
+            t for t in (self.hf.pad_token_id, self.hf.eos_token_id, self.hf.mask_token_id) if t is not None
+        ]
         self.vocab_size = max([len(self.hf), *(s + 1 for s in special)])
         eos = self.hf.eos_token_id
         if eos is None:
-            raise DFlashError(f"the tokenizer in {self.path} has no eos token; set eos_token in tokenizer_config.json")
+            raise DFlashError(
+                f"the tokenizer in {self.path} has no eos token; set eos_token in tokenizer_config.json"
+            )
         self.eos_token_id = int(eos)
         # Padding is masked out everywhere, so eos is a safe stand-in when there is no pad token.
         self.pad_token_id = int(self.hf.pad_token_id if self.hf.pad_token_id is not None else eos)
@@ -145,6 +153,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # One call: the Rust tokenizer encodes the batch on all cores.
+        return [list(ids) for ids in self.hf(texts, add_special_tokens=True)["input_ids"]]
 
     def decode(self, ids: list[int]) -> str:
         return str(self.hf.decode(ids))
@@ -197,11 +209,11 @@ def load_tokenizer(kind: str, target_path: str | None) -> Tokenizer:
         return ByteTokenizer()
     if kind == "target":
         if not target_path:
-            raise DFlashError("data.tokenizer = \"target\" needs target.path (a local HF model directory)")
+            raise DFlashError('data.tokenizer = "target" needs target.path (a local HF model directory)')
         if not Path(target_path).is_dir():
             raise DFlashError(
                 f"target.path {target_path} is not a directory; pass a local Hugging Face model directory "
-                "(or set data.tokenizer = \"byte\")"
+                '(or set data.tokenizer = "byte")'
             )
         return HFTokenizer(target_path)
     raise DFlashError(f"data.tokenizer must be target or byte, got {kind!r}")

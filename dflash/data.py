@@ -1,0 +1,453 @@
+"""Training data: JSONL records -> token ids + loss masks (cached on disk) -> token-budget batches.
+
+Records are `{"text": str}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}` (loss on
+assistant content only). Bad records are skipped, counted by reason and logged with file:line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.config import DataConfig
+from dflash.errors import DFlashError
+from dflash.tokenizer import RecordError, Tokenizer
+
+CACHE_FORMAT = "tokcache-v1"
+_LOGGED_PER_REASON = 20  # individual file:line messages per reason; the rest only counted
+_CHUNK_LINES = 1024  # lines per batched tokenizer call
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenizedDataset:
+    tokens: np.ndarray
+    """All sequences' ids concatenated (int32)."""
+    loss_mask: np.ndarray
+    """Same length as tokens (bool)."""
+    offsets: np.ndarray
+    """Sequence i is tokens[offsets[i]:offsets[i+1]] (int64, n+1 entries)."""
+    pad_token_id: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    cache_hit: bool = False
+    cache_path: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.loss_mask[a:b]
+
+
+def _parse_record(raw: bytes) -> str | list[Any]:
+    """A record's `text` string or its `messages` list; RecordError names what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("not UTF-8") from e
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"bad JSON ({e.msg})") from e
+    if not isinstance(rec, dict):
+        raise RecordError("not a JSON object")
+    if "text" in rec:
+        if not isinstance(rec["text"], str):
+            raise RecordError("`text` is not a string")
+        return rec["text"]
+    if "messages" in rec:
+        if not isinstance(rec["messages"], list):
+            raise RecordError("`messages` is not a list")
+        return rec["messages"]
+    raise RecordError("has neither `text` nor `messages`")
+
+
+def _reason_key(message: str) -> str:
+    # Group by the stable part of the message (bad JSON details vary per line).
+    return message.split(" (")[0]
+
+
+def _numbered_chunks(path: Path, size: int) -> Iterator[list[tuple[int, bytes]]]:
+    chunk: list[tuple[int, bytes]] = []
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if raw.strip():  # blank lines are formatting, not records
+                chunk.append((line_no, raw.strip()))
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(
+    chunk: list[tuple[int, bytes]], tok: Tokenizer
+) -> list[tuple[int, tuple[list[int], list[bool]] | RecordError]]:
+    """Encode a chunk of lines in order; plain texts go through the tokenizer in one batch call."""
+    parsed: list[tuple[int, str | list[Any] | RecordError]] = []
+    for line_no, raw in chunk:
+        try:
+            parsed.append((line_no, _parse_record(raw)))
+        except RecordError as e:
+            parsed.append((line_no, e))
+    texts = [p for _, p in parsed if isinstance(p, str)]
+    text_ids = iter(tok.encode_batch(texts) if texts else [])
+    out: list[tuple[int, tuple[list[int], list[bool]] | RecordError]] = []
+    for line_no, p in parsed:
+        if isinstance(p, RecordError):
+            out.append((line_no, p))
+        elif isinstance(p, str):
+            ids = next(text_ids)
+            out.append((line_no, (ids, [True] * len(ids))))
+        else:
+            try:
+                out.append((line_no, tok.encode_chat(p)))
+            except RecordError as e:
+                out.append((line_no, e))
+    return out
+
+
+def _checked(ids: list[int], mask: list[bool], cfg: DataConfig) -> tuple[list[int], list[bool], bool]:
+    if len(ids) < cfg.min_seq_len:
+        raise RecordError(f"too short ({len(ids)} tokens < data.min_seq_len {cfg.min_seq_len})")
+    cut = len(ids) > cfg.max_seq_len
+    if cut:
+        ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+    if not any(mask):
+        raise RecordError("no loss tokens within data.max_seq_len")
+    return ids, mask, cut
+
+
+def _tokenize_file(
+    path: Path, cfg: DataConfig, tok: Tokenizer, log: Callable[[str], None]
+) -> TokenizedDataset:
+    tokens: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    lengths: list[int] = []
+    skipped: Counter[str] = Counter()
+    truncated = 0
+    for chunk in _numbered_chunks(path, _CHUNK_LINES):
+        for line_no, result in _encode_chunk(chunk, tok):
+            try:
+                if isinstance(result, RecordError):
+                    raise result
+                ids, mask, cut = _checked(*result, cfg)
+            except RecordError as e:
+                reason = _reason_key(str(e))
+                skipped[reason] += 1
+                if skipped[reason] <= _LOGGED_PER_REASON:
+                    log(f"data: skipped {path}:{line_no}: {e}")
+                elif skipped[reason] == _LOGGED_PER_REASON + 1:
+                    log(f"data: more records skipped for '{reason}'; only counting them from here")
+                continue
+            truncated += cut
+            tokens.append(np.asarray(ids, dtype=np.int32))
+            masks.append(np.asarray(mask, dtype=np.bool_))
+            lengths.append(len(ids))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenizedDataset(
+        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+        loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.bool_),
+        offsets=offsets,
+        pad_token_id=tok.pad_token_id,
+        skipped=dict(skipped),
+        truncated=truncated,
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(path: Path, cfg: DataConfig, tok: Tokenizer) -> str:
+    parts = [
+        CACHE_FORMAT,
+        _file_sha256(path),
+        tok.identity(),
+        f"max={cfg.max_seq_len}",
+        f"min={cfg.min_seq_len}",
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
+
+
+def _save_cache(ds: TokenizedDataset, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.dumps({"skipped": ds.skipped, "truncated": ds.truncated, "pad_token_id": ds.pad_token_id})
+    buf = io.BytesIO()
+    np.savez(buf, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets, meta=np.array(meta))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.getvalue())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_cache(target: Path) -> TokenizedDataset | None:
+    try:
+        with np.load(target, allow_pickle=False) as z:
+            meta: dict[str, Any] = json.loads(str(z["meta"]))
+            ds = TokenizedDataset(
+                tokens=z["tokens"],
+                loss_mask=z["loss_mask"],
+                offsets=z["offsets"],
+                pad_token_id=int(meta["pad_token_id"]),
+                skipped={str(k): int(v) for k, v in meta["skipped"].items()},
+                truncated=int(meta["truncated"]),
+            )
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None  # unreadable or torn cache entries are rebuilt, never trusted
+    if len(ds.offsets) < 2 or ds.num_tokens != len(ds.tokens) or len(ds.tokens) != len(ds.loss_mask):
+        return None
+    return ds
+
+
+def load_dataset(
+    cfg: DataConfig, tok: Tokenizer, cache_root: Path, log: Callable[[str], None]
+) -> TokenizedDataset:
+    """Tokenize (or load from the cache) the JSONL file named by cfg.path; `demo` writes the built-in
+    demo corpus under cache_root first. Raises DFlashError when nothing usable is left."""
+    cache_root = Path(cache_root)
+    if cfg.path == "demo":
+        from dflash.demo import write_demo_corpus
+
+        path = write_demo_corpus(cache_root / "demo-corpus.jsonl")
+    else:
+        path = Path(cfg.path)
+    if not path.is_file():
+        raise DFlashError(
+            f"data.path {path} is not a readable file; pass a JSONL file of text/messages records, or `demo`"
+        )
+    try:
+        key = cache_key(path, cfg, tok)
+    except OSError as e:
+        raise DFlashError(f"data.path {path} cannot be read: {e}") from e
+    cache_file = cache_root / f"{key}.npz"
+    ds = _load_cache(cache_file) if cache_file.is_file() else None
+    if ds is not None:
+        ds.cache_hit = True
+        log(f"data: tokenized cache hit {cache_file}")
+    else:
+        log(f"data: tokenized cache miss; tokenizing {path}")
+        ds = _tokenize_file(path, cfg, tok, log)
+        if len(ds) > 0:
+            _save_cache(ds, cache_file)
+    ds.cache_path = cache_file
+    skipped = ", ".join(f"{reason}: {n}" for reason, n in sorted(ds.skipped.items())) or "none"
+    if len(ds) == 0:
+        raise DFlashError(
+            f"data.path {path} has no usable records (skipped: {skipped}). Each line must be a JSON object "
+            f"with a `text` string or a `messages` list, at least data.min_seq_len={cfg.min_seq_len} tokens long"
+        )
+    log(
+        f"data: {len(ds)} sequences, {ds.num_tokens} tokens, {ds.truncated} truncated to {cfg.max_seq_len}, "
+        f"skipped: {skipped}"
+    )
+    return ds
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    input_ids_BL: torch.Tensor
+    """Right-padded token ids (int64)."""
+    loss_mask_BL: torch.Tensor
+    """True where a token is trained on (never on padding)."""
+    seq_lens_B: torch.Tensor
+    sample_ids: list[int]
+    epoch: int = 0
+    index: int = 0
+    """Position of this batch in its rank's sequence: batch `index` of `epoch` (see state_after)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_lens_B.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids_BL.numel()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            input_ids_BL=self.input_ids_BL.to(device, non_blocking=non_blocking),
+            loss_mask_BL=self.loss_mask_BL.to(device, non_blocking=non_blocking),
+            seq_lens_B=self.seq_lens_B.to(device, non_blocking=non_blocking),
+            sample_ids=self.sample_ids,
+            epoch=self.epoch,
+            index=self.index,
+        )
+
+
+class TokenBudgetBatcher:
+    """Endless batches: per epoch the samples are permuted (seed + epoch), each goes to the bucket of its
+    length rounded up to bucket_multiple, and a bucket is emitted once it holds as many rows as fit
+    (min(max_batch_size, token_budget // bucket_len)); leftovers close the epoch as smaller batches.
+    The epoch's global batch list is the same on every rank; rank r takes batches r, r+W, ... and the
+    last (< W) batches are dropped so that every rank runs the same number of steps."""
+
+    def __init__(
+        self,
+        ds: TokenizedDataset,
+        *,
+        token_budget: int,
+        max_batch_size: int,
+        bucket_multiple: int,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise DFlashError(f"data rank {rank} is outside world size {world_size}")
+        if max_batch_size < 1 or bucket_multiple < 1:
+            raise DFlashError("train.max_batch_size and data.bucket_multiple must be >= 1")
+        self.ds = ds
+        self.token_budget = token_budget
+        self.max_batch_size = max_batch_size
+        self.bucket_multiple = bucket_multiple
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        lengths = ds.lengths
+        self._bucket_len = (lengths + bucket_multiple - 1) // bucket_multiple * bucket_multiple
+        longest = int(self._bucket_len.max())
+        if longest > token_budget:
+            raise DFlashError(
+                f"train.token_budget ({token_budget}) is smaller than the longest padded sequence ({longest}); "
+                "raise train.token_budget or lower data.max_seq_len"
+            )
+        self.epoch = 0
+        self.index = 0
+        self._plan_epoch = -1
+        self._plan: list[list[int]] = []
+
+    def rows_for(self, bucket_len: int) -> int:
+        return max(1, min(self.max_batch_size, self.token_budget // bucket_len))
+
+    def _global_batches(self, epoch: int) -> list[list[int]]:
+        n = len(self.ds)
+        if self.shuffle:
+            order = np.random.default_rng(self.seed + epoch).permutation(n)
+        else:
+            order = np.arange(n)
+        pending: dict[int, list[int]] = {}
+        batches: list[list[int]] = []
+        for i in order.tolist():
+            blen = int(self._bucket_len[i])
+            rows = pending.setdefault(blen, [])
+            rows.append(i)
+            if len(rows) == self.rows_for(blen):
+                batches.append(rows)
+                pending[blen] = []
+        batches.extend(rows for _, rows in sorted(pending.items()) if rows)
+        return batches
+
+    def _rank_batches(self, epoch: int) -> list[list[int]]:
+        if self._plan_epoch != epoch:
+            batches = self._global_batches(epoch)
+            usable = len(batches) // self.world_size * self.world_size
+            self._plan = batches[self.rank : usable : self.world_size]
+            self._plan_epoch = epoch
+        return self._plan
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self._rank_batches(self.epoch))
+
+    @property
+    def epoch_progress(self) -> float:
+        per_epoch = self.batches_per_epoch
+        return self.epoch + (self.index / per_epoch if per_epoch else 0.0)
+
+    def collate(self, sample_ids: list[int], epoch: int, index: int) -> Batch:
+        seq_lens = [int(self.ds.lengths[i]) for i in sample_ids]
+        length = int(max(self._bucket_len[i] for i in sample_ids))
+        ids = np.full((len(sample_ids), length), self.ds.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(sample_ids), length), dtype=np.bool_)
+        for row, i in enumerate(sample_ids):
+            toks, m = self.ds[i]
+            ids[row, : len(toks)] = toks
+            mask[row, : len(m)] = m
+        return Batch(
+            input_ids_BL=torch.from_numpy(ids),
+            loss_mask_BL=torch.from_numpy(mask),
+            seq_lens_B=torch.tensor(seq_lens, dtype=torch.long),
+            sample_ids=list(sample_ids),
+            epoch=epoch,
+            index=index,
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            plan = self._rank_batches(self.epoch)
+            if not plan:
+                raise DFlashError(
+                    f"the dataset ({len(self.ds)} sequences) makes fewer batches than there are data ranks "
+                    f"({self.world_size}); add data or lower train.max_batch_size / the number of workers"
+                )
+            if self.index >= len(plan):
+                self.epoch, self.index = self.epoch + 1, 0
+                continue
+            epoch, index = self.epoch, self.index
+            # Advance before yielding: a state_dict taken after receiving this batch resumes after it.
+            self.index += 1
+            yield self.collate(plan[index], epoch, index)
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "num_samples": len(self.ds),
+            "num_tokens": self.ds.num_tokens,
+            "token_budget": self.token_budget,
+            "max_batch_size": self.max_batch_size,
+            "bucket_multiple": self.bucket_multiple,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, **self._identity()}
+
+    def state_after(self, batch: Batch) -> dict[str, Any]:
+        """The state that resumes right after `batch` (for consumers that run behind a prefetching producer)."""
+        return {"epoch": batch.epoch, "index": batch.index + 1, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self._identity()
+        diff = [k for k, v in mine.items() if state.get(k) != v]
+        if diff:
+            detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in diff)
+            raise DFlashError(
+                f"cannot resume the data position: the data or batching settings changed ({detail}). "
+                "Resume with the same data and settings, or start a new run"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -1,0 +1,144 @@
+"""The tiny target through the real loading path, layer capture against the full transformers forward,
+and reading only the embedding / LM head from safetensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.demo import make_tiny_target
+from dflash.errors import DFlashError
+from dflash.target import TargetCapture, load_frozen_head
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("target") / "tiny", layers=LAYERS, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def full_model(tiny: Path):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32, local_files_only=True).eval()
+
+
+def test_tiny_target_loads_through_auto_classes(tiny: Path, full_model) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny), local_files_only=True)
+    assert tok.mask_token == "<|mask|>" and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.chat_template
+    assert type(full_model).__name__ == "Qwen3ForCausalLM"
+    cfg = full_model.config
+    assert cfg.num_hidden_layers == LAYERS and cfg.hidden_size == 64 and cfg.vocab_size >= len(tok)
+    assert not cfg.tie_word_embeddings
+    assert list(tiny.glob("*.safetensors"))
+    assert json.loads((tiny / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_make_tiny_target_is_idempotent_and_rebuilds_on_change(tmp_path: Path) -> None:
+    path = make_tiny_target(tmp_path / "t", layers=2)
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert make_tiny_target(tmp_path / "t", layers=2) == path
+    assert weights.stat().st_mtime_ns == stamp
+    make_tiny_target(tmp_path / "t", layers=3)
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no temp or aside dirs left behind
+
+
+def test_capture_matches_full_forward(tiny: Path, full_model) -> None:  # noqa: ANN001
+    layer_ids = [3, 1, 2]  # out of order on purpose: the concat follows layer_ids
+    cap = TargetCapture(str(tiny), layer_ids, dtype=torch.float32, device=torch.device("cpu"))
+    assert len(cap.model.layers) == 4  # type: ignore[arg-type]  # layers after the last needed one are never loaded
+    assert not hasattr(cap, "lm_head") and all(not p.requires_grad for p in cap.model.parameters())
+    assert cap.config.num_hidden_layers == 4
+
+    torch.manual_seed(0)
+    lens = [21, 13, 5]
+    ids_BL = torch.randint(0, 300, (3, 24))
+    out_BLD = cap(ids_BL, torch.tensor(lens))
+    assert out_BLD.shape == (3, 24, 3 * 64) and out_BLD.dtype == torch.float32
+    for row, n in enumerate(lens):
+        with torch.no_grad():
+            hs = full_model(input_ids=ids_BL[row : row + 1, :n], output_hidden_states=True).hidden_states
+        for slot, layer in enumerate(layer_ids):
+            got = out_BLD[row, :n, slot * 64 : (slot + 1) * 64]
+            torch.testing.assert_close(got, hs[layer + 1][0], rtol=1e-5, atol=1e-5)
+
+    # A row padded to the full length gives the same real positions as the same row batched alone.
+    alone = cap(ids_BL[1:2, :13], torch.tensor([13]))
+    torch.testing.assert_close(out_BLD[1, :13], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_capture_in_bf16(tiny: Path, full_model) -> None:  # noqa: ANN001
+    cap = TargetCapture(str(tiny), [0, 4], dtype=torch.bfloat16, device=torch.device("cpu"))
+    ids_BL = torch.randint(0, 300, (2, 16))
+    out = cap(ids_BL, torch.tensor([16, 16]))
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 16, 128)
+    with torch.no_grad():
+        hs = full_model(input_ids=ids_BL, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out[..., 64:].float(), hs[5], rtol=0.05, atol=0.05)
+
+
+def test_capture_errors(tiny: Path, tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(DFlashError, match="not a directory"):
+        TargetCapture(str(tmp_path / "nope"), [0], dtype=torch.float32, device=cpu)
+    with pytest.raises(DFlashError, match="no config.json"):
+        TargetCapture(str(tmp_path), [0], dtype=torch.float32, device=cpu)
+    no_weights = tmp_path / "noweights"
+    no_weights.mkdir()
+    shutil.copy(tiny / "config.json", no_weights / "config.json")
+    with pytest.raises(DFlashError, match="no \\*.safetensors"):
+        TargetCapture(str(no_weights), [0], dtype=torch.float32, device=cpu)
+    with pytest.raises(DFlashError, match=r"\[6\] are outside the target's layers 0..5"):
+        TargetCapture(str(tiny), [1, 6], dtype=torch.float32, device=cpu)
+
+
+def test_load_frozen_head_untied_and_sharded(tiny: Path, full_model, tmp_path: Path) -> None:  # noqa: ANN001
+    embed, head, cfg = load_frozen_head(str(tiny), dtype=torch.float32, device="cpu")
+    assert cfg.hidden_size == 64
+    torch.testing.assert_close(embed, full_model.get_input_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head, full_model.lm_head.weight, rtol=0, atol=0)
+    assert not torch.equal(embed, head)
+
+    sharded = tmp_path / "sharded"
+    full_model.to(torch.bfloat16).save_pretrained(str(sharded), max_shard_size="40KB")
+    full_model.float()
+    assert (sharded / "model.safetensors.index.json").is_file() and len(
+        list(sharded.glob("*.safetensors"))
+    ) > 2
+    embed2, head2, _ = load_frozen_head(str(sharded), dtype=torch.bfloat16, device="cpu")
+    assert embed2.dtype == torch.bfloat16
+    torch.testing.assert_close(embed2.float(), embed, rtol=0, atol=0)
+    torch.testing.assert_close(head2.float(), head, rtol=0, atol=0)
+
+
+def test_load_frozen_head_tied(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_target(tmp_path / "tied", layers=1, tie_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    embed, head, _ = load_frozen_head(str(path), dtype=torch.float32, device="cpu")
+    torch.testing.assert_close(embed, model.get_input_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head, model.lm_head.weight, rtol=0, atol=0)
+    assert head is embed
+
+
+@pytest.mark.gpu
+def test_capture_on_cuda_matches_cpu(tiny: Path) -> None:
+    ids_BL = torch.randint(0, 300, (4, 64))
+    lens = torch.tensor([64, 40, 17, 3])
+    cpu = TargetCapture(str(tiny), [1, 3], dtype=torch.float32, device=torch.device("cpu"))(ids_BL, lens)
+    gpu = TargetCapture(str(tiny), [1, 3], dtype=torch.bfloat16, device=torch.device("cuda"))(ids_BL, lens)
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
+    for row, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(gpu[row, :n].float().cpu(), cpu[row, :n], rtol=0.05, atol=0.05)
