@@ -1,0 +1,43 @@
+"""DFlash attention: one mask (mask.py), several backends chosen in one place (`make_backend`).
+
+Every backend has the same two calls:
+  prepare(anchors_BA, seq_lens_B, context_len=S, block_size=K, windows=[...]) -> {window: plan}
+      once per batch; one plan per layer type (window None = full layer), shared across layers;
+  attend(q_BHQD, k_BGLD, v_BGLD, plan) -> o_BHQD
+      q from the A*K block tokens; k/v over [S context positions | A*K block tokens].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor
+
+BACKENDS = ("flex", "sdpa", "eager")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(
+        self, anchors_BA: Tensor, seq_lens_B: Tensor, *, context_len: int, block_size: int, windows: Any
+    ) -> dict[int | None, Any]: ...
+
+    def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: Any) -> Tensor: ...
+
+
+def make_backend(name: str, *, sdpa_chunk_blocks: int = 64, compile: bool = True) -> AttentionBackend:
+    """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip."""
+    if name == "flex":
+        from dflash.attention.flex import FlexBackend
+
+        return FlexBackend(compile=compile)
+    if name == "sdpa":
+        from dflash.attention.sdpa import SdpaBackend
+
+        return SdpaBackend(chunk_blocks=sdpa_chunk_blocks)
+    if name == "eager":
+        from dflash.attention.reference import EagerBackend
+
+        return EagerBackend()
+    raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")

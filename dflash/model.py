@@ -1,0 +1,391 @@
+"""The DFlash drafter (the published design), built from transformers' Qwen3 blocks.
+
+A block = [token at the anchor, mask x (K-1)], embedded with the target's frozen embedding. The k
+captured target hidden states are fused once: RMSNorm(Linear(k*H_t -> H)). Every layer projects the
+SAME fused context into extra keys/values (context features are not updated across layers);
+queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true positions (context
+0..S-1, block token j of anchor a at a + j), GQA, pre-norm residuals. The attention backend
+(flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.attention.mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from dflash.attention import AttentionBackend, make_backend
+from dflash.errors import ConfigError
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterSpec:
+    """Fully resolved drafter sizes: what config.json stores (see to_hf_config)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    layer_types: list[str]
+    sliding_window: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_hidden_size: int
+    target_num_hidden_layers: int = 0
+    """Layers of the target (engines use it to re-derive layer ids); 0 = unknown."""
+    hidden_act: str = field(default="silu")
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                "drafter.layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ConfigError("drafter.layer_types", f"entries must be one of {LAYER_TYPES}, got {t!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "drafter.num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                "drafter.mask_token_id",
+                f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})",
+            )
+        if not self.target_layer_ids:
+            raise ConfigError("drafter.target_layer_ids", "is empty")
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """config.json in the layout DFlash drafters are published and served with: a Qwen3-style
+        config (model_type qwen3, num_hidden_layers, layer_types, sliding_window, sizes) with
+        architectures ["DFlashDraftModel"], top-level block_size, and dflash_config{mask_token_id,
+        target_layer_ids}, which is where SGLang and vLLM read the DFlash fields. num_target_layers
+        is the target's depth (as in released checkpoints); target_hidden_size is ours (fc input is
+        len(target_layer_ids) * target_hidden_size) and harmless to engines that ignore it."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "max_window_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": self.hidden_act,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "num_target_layers": self.target_num_hidden_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "torch_dtype": "bfloat16",
+        }
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> DrafterSpec:
+        def need(key: str, where: dict[str, Any] = d, prefix: str = "") -> Any:
+            if key not in where:
+                raise ConfigError(
+                    f"config.json:{prefix}{key}", "is missing; is this a DFlash drafter config?"
+                )
+            return where[key]
+
+        dflash = need("dflash_config")
+        rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta"))
+        if rope_theta is None:
+            raise ConfigError(
+                "config.json:rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)"
+            )
+        num_layers = need("num_hidden_layers")
+        return cls(
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=d.get("head_dim") or need("hidden_size") // need("num_attention_heads"),
+            num_layers=num_layers,
+            layer_types=list(d.get("layer_types") or ["full_attention"] * num_layers),
+            sliding_window=d.get("sliding_window") or 0,
+            block_size=need("block_size"),
+            target_layer_ids=list(need("target_layer_ids", dflash, "dflash_config.")),
+            mask_token_id=need("mask_token_id", dflash, "dflash_config."),
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=need("rms_norm_eps"),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=need("max_position_embeddings"),
+            target_hidden_size=d.get("target_hidden_size") or need("hidden_size"),
+            target_num_hidden_layers=d.get("num_target_layers") or 0,
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The transformers config the reused Qwen3 blocks (MLP, rotary) are built from."""
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        )
+
+
+def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
+    """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
+    start = 1 if n_target_layers > 1 else 0
+    end = max(start, n_target_layers - 3)
+    if k == 1:
+        return [(start + end) // 2]
+    return sorted({round(start + i * (end - start) / (k - 1)) for i in range(k)})
+
+
+def _target_rope_theta(target_config: Any) -> float:
+    params = getattr(target_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(target_config, "rope_theta", 10000.0))
+
+
+def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpec:
+    """DrafterConfig (0 / empty = take it from the target) + the target's PretrainedConfig -> sizes."""
+    n_target = int(target_config.num_hidden_layers)
+    target_hidden = int(target_config.hidden_size)
+    ids = list(cfg.target_layer_ids) or default_target_layer_ids(n_target, cfg.num_target_layers)
+    for i in ids:
+        if not 0 <= i < n_target:
+            raise ConfigError(
+                "drafter.target_layer_ids",
+                f"layer {i} does not exist: the target has {n_target} layers (0..{n_target - 1})",
+            )
+    if len(set(ids)) != len(ids):
+        raise ConfigError("drafter.target_layer_ids", f"has duplicates: {ids}")
+    hidden = cfg.hidden_size or target_hidden
+    if hidden != target_hidden:
+        raise ConfigError(
+            "drafter.hidden_size",
+            f"{hidden} differs from the target's {target_hidden}; the drafter shares the target's embedding "
+            "and LM head, so leave it 0 (= the target's)",
+        )
+    heads = cfg.num_attention_heads or int(target_config.num_attention_heads)
+    kv_heads = cfg.num_key_value_heads or int(getattr(target_config, "num_key_value_heads", None) or heads)
+    head_dim = cfg.head_dim or int(getattr(target_config, "head_dim", None) or hidden // heads)
+    layer_types = list(cfg.layer_types) or ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
+    vocab = int(target_config.vocab_size)
+    if not 0 <= mask_token_id < vocab:
+        raise ConfigError(
+            "drafter.mask_token_id", f"{mask_token_id} is outside the target vocabulary [0, {vocab})"
+        )
+    return DrafterSpec(
+        hidden_size=hidden,
+        intermediate_size=cfg.intermediate_size or int(target_config.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_layers=cfg.num_layers,
+        layer_types=layer_types,
+        sliding_window=cfg.sliding_window,
+        block_size=cfg.block_size,
+        target_layer_ids=sorted(ids),
+        mask_token_id=mask_token_id,
+        vocab_size=vocab,
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_theta=_target_rope_theta(target_config),
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 32768)),
+        target_hidden_size=target_hidden,
+        target_num_hidden_layers=n_target,
+        hidden_act=str(getattr(target_config, "hidden_act", "silu")),
+    )
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
+        )
+        self.q_proj = nn.Linear(spec.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, spec.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=spec.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=spec.rms_norm_eps)
+
+    def forward(
+        self,
+        block_BQH: Tensor,
+        ctx_BSH: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        backend: AttentionBackend,
+        plan: Any,
+    ) -> Tensor:
+        B, Q, _ = block_BQH.shape
+        kv_in_BLH = torch.cat([ctx_BSH, block_BQH], dim=1)
+        L = kv_in_BLH.shape[1]
+        q_BHQD = self.q_norm(self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
+        k_BGLD = self.k_norm(self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v_BGLD = self.v_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        q_BHQD, _ = apply_rotary_pos_emb(q_BHQD, q_BHQD, *rope_q)
+        k_BGLD, _ = apply_rotary_pos_emb(k_BGLD, k_BGLD, *rope_kv)
+        # Under autocast the q/k RMSNorms return float32 (fp32 weight x bf16): attend in v's dtype.
+        o_BHQD = backend.attend(q_BHQD.to(v_BGLD.dtype), k_BGLD.to(v_BGLD.dtype), v_BGLD.contiguous(), plan)
+        return self.o_proj(o_BHQD.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec, qwen3: Qwen3Config) -> None:
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = DrafterAttention(spec)
+        self.post_attention_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = Qwen3MLP(qwen3)
+
+    def forward(
+        self,
+        h_BQH: Tensor,
+        ctx_BSH: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        backend: AttentionBackend,
+        plan: Any,
+    ) -> Tensor:
+        h_BQH = h_BQH + self.self_attn(self.input_layernorm(h_BQH), ctx_BSH, rope_q, rope_kv, backend, plan)
+        return h_BQH + self.mlp(self.post_attention_layernorm(h_BQH))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names follow released DFlash drafters (fc, hidden_norm, layers.N..., norm), so
+    trainable_state_dict() is what an engine loads next to the target's embedding and head."""
+
+    def __init__(
+        self,
+        spec: DrafterSpec,
+        embed_weight_VH: Tensor,
+        lm_head_weight_VH: Tensor,
+        *,
+        backend: str,
+        sdpa_chunk_blocks: int = 64,
+        compile: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, w in (("embedding", embed_weight_VH), ("lm_head", lm_head_weight_VH)):
+            if tuple(w.shape) != (spec.vocab_size, spec.hidden_size):
+                raise ConfigError(
+                    f"target.{name}",
+                    f"shape {tuple(w.shape)} != (vocab {spec.vocab_size}, hidden {spec.hidden_size})",
+                )
+        self.spec = spec
+        self.backend = make_backend(backend, sdpa_chunk_blocks=sdpa_chunk_blocks, compile=compile)
+        qwen3 = spec.qwen3_config()
+        # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.
+        self.register_buffer("embed_weight_VH", embed_weight_VH.detach(), persistent=False)
+        self.register_buffer("lm_head_weight_VH", lm_head_weight_VH.detach(), persistent=False)
+        self.fc = nn.Linear(
+            len(spec.target_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False
+        )
+        self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(spec, qwen3) for _ in range(spec.num_layers))
+        self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+
+    def block_ids(self, input_ids_BS: Tensor, anchors_BA: Tensor) -> Tensor:
+        """[token at anchor, mask x (K-1)] per block, flattened to [B, A*K]."""
+        B, A = anchors_BA.shape
+        K = self.spec.block_size
+        first_BA = torch.gather(input_ids_BS, 1, anchors_BA.clamp(min=0))
+        ids_BAK = torch.full(
+            (B, A, K), self.spec.mask_token_id, dtype=input_ids_BS.dtype, device=input_ids_BS.device
+        )
+        ids_BAK[:, :, 0] = first_BA
+        return ids_BAK.view(B, A * K)
+
+    def forward(
+        self,
+        input_ids_BS: Tensor,
+        target_hidden_BSF: Tensor,
+        anchors_BA: Tensor,
+        seq_lens_B: Tensor,
+        noise_std: float = 0.0,
+    ) -> Tensor:
+        B, S = input_ids_BS.shape
+        A, K = anchors_BA.shape[1], self.spec.block_size
+        autocast = torch.is_autocast_enabled(target_hidden_BSF.device.type)
+        # Without autocast, compute in the parameters' dtype; under it, autocast picks (no fp32 copies).
+        ctx_BSH = self.hidden_norm(
+            self.fc(target_hidden_BSF if autocast else target_hidden_BSF.to(self.fc.weight.dtype))
+        )
+        if self.training and noise_std > 0:
+            ctx_BSH = ctx_BSH + torch.randn_like(ctx_BSH) * noise_std
+        h_BQH = F.embedding(self.block_ids(input_ids_BS, anchors_BA), self.embed_weight_VH).to(ctx_BSH.dtype)
+
+        offsets_K = torch.arange(K, device=anchors_BA.device)
+        pos_BQ = (anchors_BA.clamp(min=0)[:, :, None] + offsets_K).view(B, A * K)
+        pos_BL = torch.cat([torch.arange(S, device=pos_BQ.device).expand(B, S), pos_BQ], dim=1)
+        rope_kv = self.rotary_emb(h_BQH, pos_BL)
+        rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
+
+        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
+        plans = self.backend.prepare(anchors_BA, seq_lens_B, context_len=S, block_size=K, windows=windows)
+        for layer, window in zip(self.layers, windows, strict=True):
+            h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
+        return self.norm(h_BQH).view(B, A, K, -1)
+
+    def lm_head(self, hidden_NH: Tensor) -> Tensor:
+        if torch.is_autocast_enabled(hidden_NH.device.type):
+            return F.linear(hidden_NH, self.lm_head_weight_VH)  # autocast casts; no fp32 copy of [V, H]
+        return F.linear(hidden_NH, self.lm_head_weight_VH.to(hidden_NH.dtype))
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}

@@ -1,0 +1,101 @@
+"""The single-process job end to end on CPU: run directory contents, SIGKILL + resume at the right step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.rundir import RunDir, parse_status_line
+
+FAST = ["--set", "attention.compile=false", "--set", "train.checkpoint_every=4", "--set", "run.status_interval_s=0.5",
+        "--set", "train.warmup_steps=2"]
+
+
+def _train(repo: Path, runs: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
+                             "--run-dir", str(run_dir), "--set", f"run.runs_root={runs}", *FAST, *extra],
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
+    runs = tmp_path / "runs"
+    run_dir = runs / "r1"
+    proc = _train(repo, runs, run_dir, "--set", "train.total_steps=14")
+    ckpt = run_dir / "checkpoints" / "step-8"
+    deadline = time.time() + 240
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert ckpt.exists(), proc.stdout.read() if proc.poll() is not None else "no checkpoint in time"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run = RunDir(run_dir)
+    # Heartbeats exist for both roles, with device and state.
+    hb = json.loads((run.workers / "drafter-0.json").read_text())
+    assert hb["role"] == "drafter" and hb["device"] == "cpu" and hb["state"] != "stopped"
+    assert (run.workers / "target-0.json").exists()
+
+    again = _train(repo, runs, run_dir, "--set", "train.total_steps=14")
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+    started = run.read_events("started")
+    assert len(started) == 2 and started[0]["resumed_from"] is None
+    resumed = started[1]["resumed_from"]
+    assert resumed in (8, 12), "resumes from the newest complete checkpoint"
+    assert run.read_events("stopped")[-1]["reason"] == "completed"
+    assert run.read_events("stopped")[-1]["step"] == 14
+    steps = [c["step"] for c in run.read_events("checkpoint")]
+    assert steps[-1] == 14 and sorted(p.name for p in run.checkpoints.iterdir()) == ["step-12", "step-14"]
+    # The status line is printed from the metrics records, in the field's format.
+    lines = [ln for ln in out.splitlines() if ln.startswith("[") and " step=" in ln]
+    assert lines and parse_status_line(lines[-1])["step"] == 14
+    recs = run.read_metrics()
+    for key in ("loss", "acc", "acc_per_pos", "streak", "lr", "noise", "tgt_bps", "dft_bps", "tok_s", "q_pre", "q_hs",
+                "epoch", "eta_s", "compile", "gpu_mem_gb"):
+        assert key in recs[-1], key
+    assert len(recs[-1]["acc_per_pos"]) == 15
+    manifest = run.read_manifest()
+    assert manifest["config"]["train"]["total_steps"] == 14 and len(manifest["command_lines"]) == 2
+    ck = json.loads((run.checkpoints / "step-14" / "config.json").read_text())
+    assert ck["block_size"] == 16
+
+
+def test_bad_data_fails_before_model_load(repo, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = subprocess.run([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
+                          "--set", f"data.path={empty}", "--set", f"run.runs_root={tmp_path}",
+                          "--run-dir", str(tmp_path / "r")], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "error:" in out.stderr and "empty.jsonl" in out.stderr
+    assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
+
+
+def test_config_error_names_key(repo, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
+                          "--set", "train.token_budget=-5", "--set", f"run.runs_root={tmp_path}"],
+                         cwd=repo, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "train.token_budget" in out.stderr
+
+
+@pytest.mark.skipif(os.cpu_count() is None, reason="needs cpu count")
+def test_sigterm_checkpoints_and_stops(repo, tmp_path):
+    runs = tmp_path / "runs"
+    run_dir = runs / "r2"
+    proc = _train(repo, runs, run_dir, "--set", "train.total_steps=400", "--set", "train.checkpoint_every=1000")
+    run = RunDir(run_dir)
+    deadline = time.time() + 180
+    while time.time() < deadline and not run.read_metrics():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stopped = run.read_events("stopped")[-1]
+    assert stopped["reason"] == "signal SIGTERM"
+    assert run.read_events("checkpoint")[-1]["step"] == stopped["step"] > 0
