@@ -158,13 +158,15 @@ def _torch(errors: list[str]) -> tuple[dict[str, Any] | None, list[dict[str, Any
         if info["cuda_available"]:
             for i in range(torch.cuda.device_count()):
                 p = torch.cuda.get_device_properties(i)
-                gpus.append({
-                    "index": i,
-                    "name": p.name,
-                    "compute_capability": f"{p.major}.{p.minor}",
-                    "memory_total_mib": int(p.total_memory) // (1024 * 1024),
-                    "source": "torch",
-                })
+                gpus.append(
+                    {
+                        "index": i,
+                        "name": p.name,
+                        "compute_capability": f"{p.major}.{p.minor}",
+                        "memory_total_mib": int(p.total_memory) // (1024 * 1024),
+                        "source": "torch",
+                    }
+                )
     except Exception as e:
         errors.append(f"torch.cuda: {type(e).__name__}: {e}")
     return info, gpus
@@ -204,8 +206,13 @@ def _nvml(errors: list[str]) -> tuple[dict[str, Any] | None, list[dict[str, Any]
             driver["cuda"] = f"{v // 1000}.{(v % 1000) // 10}"
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
-            gpu: dict[str, Any] = {"index": i, "name": _text(nv.nvmlDeviceGetName(h)),
-                                   "compute_capability": None, "memory_total_mib": None, "source": "nvml"}
+            gpu: dict[str, Any] = {
+                "index": i,
+                "name": _text(nv.nvmlDeviceGetName(h)),
+                "compute_capability": None,
+                "memory_total_mib": None,
+                "source": "nvml",
+            }
             with contextlib.suppress(Exception):
                 major, minor = nv.nvmlDeviceGetCudaComputeCapability(h)
                 gpu["compute_capability"] = f"{major}.{minor}"
@@ -244,7 +251,8 @@ def _cache_paths() -> dict[str, str]:
     # Mirrors inductor's default (tempdir/torchinductor_<user>) without importing torch.
     safe_user = re.sub(r"[^A-Za-z0-9_.-]", "_", _user())
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{safe_user}")
+        tempfile.gettempdir(), f"torchinductor_{safe_user}"
+    )
     home_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return {"inductor_cache": inductor, "home_cache": home_cache, "tmp": tempfile.gettempdir()}
 
@@ -265,8 +273,12 @@ def _free_bytes(path: str) -> int | None:
 def probe() -> dict[str, Any]:
     """The fingerprint of this interpreter's environment (see the module docstring for fields)."""
     errors: list[str] = []
-    result: dict[str, Any] = {"schema": SCHEMA, "python": _python(), "platform": _platform(),
-                              "markers": _markers()}
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "python": _python(),
+        "platform": _platform(),
+        "markers": _markers(),
+    }
     torch_info, torch_gpus = _torch(errors)
     result["torch"] = torch_info
     result["triton"] = _triton(errors)
@@ -277,8 +289,11 @@ def probe() -> dict[str, Any]:
     paths = _cache_paths()
     result["paths"] = paths
     result["disk_free_bytes"] = {k: _free_bytes(v) for k, v in paths.items()}
-    result["tools"] = {"tmux": shutil.which("tmux"), "docker": shutil.which("docker"),
-                       "nvidia_smi": shutil.which("nvidia-smi")}
+    result["tools"] = {
+        "tmux": shutil.which("tmux"),
+        "docker": shutil.which("docker"),
+        "nvidia_smi": shutil.which("nvidia-smi"),
+    }
     result["errors"] = errors
     return result
 

@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir")
     p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (overrides pipeline.rdzv_endpoint)")
+    p.add_argument(
+        "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (overrides pipeline.rdzv_endpoint)"
+    )
     p.add_argument("--plan", action="store_true", help="print the command each host runs, then exit")
     return p.parse_args(argv)
 
@@ -56,7 +58,9 @@ def _devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
     cuda = cfg.run.device in ("cuda", "auto") and torch.cuda.is_available()
     n = torch.cuda.device_count() if cuda else 0
     targets = p.target_devices or [f"cuda:{i % n}" if cuda else "cpu" for i in range(p.targets)]
-    drafters = p.drafter_devices or [f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)]
+    drafters = p.drafter_devices or [
+        f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)
+    ]
     if len(targets) != p.targets:
         raise DFlashError(f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets")
     if len(drafters) != p.drafters:
@@ -89,8 +93,13 @@ class Proc:
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, **(env or {})})
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
         self.starts += 1
 
     def poll(self) -> int | None:
@@ -138,26 +147,60 @@ class Supervisor:
         T = self.cfg.pipeline.targets
         for i, dev in enumerate(target_devs):
             index = self.node_rank * T + i
-            proc = Proc(f"target-{index}", [sys.executable, "-m", "dflash.pipeline.target_worker", *self.worker_args(),
-                                             "--index", str(index), "--queue", queue_name, "--device", dev],
-                        self.run.log_path("target", index))
+            proc = Proc(
+                f"target-{index}",
+                [
+                    sys.executable,
+                    "-m",
+                    "dflash.pipeline.target_worker",
+                    *self.worker_args(),
+                    "--index",
+                    str(index),
+                    "--queue",
+                    queue_name,
+                    "--device",
+                    dev,
+                    "--data-world",
+                    str(self.nnodes * T),
+                ],
+                self.run.log_path("target", index),
+            )
             proc.start()
             self.targets.append(proc)
-        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
-                    f"--nproc-per-node={self.cfg.pipeline.drafters}", f"--max-restarts={self.cfg.pipeline.max_restarts}",
-                    "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
-                    f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.run.root.name}", "--monitor-interval=0.5",
-                    "-m", "dflash.pipeline.drafter_worker", *self.worker_args(), "--queue", queue_name]
-        self.drafters = Proc("drafter-group", torchrun, self.run.logs / f"drafter-group-node{self.node_rank}.log")
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.cfg.pipeline.drafters}",
+            f"--max-restarts={self.cfg.pipeline.max_restarts}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.run.root.name}",
+            "--monitor-interval=0.5",
+            "-m",
+            "dflash.pipeline.drafter_worker",
+            *self.worker_args(),
+            "--queue",
+            queue_name,
+        ]
+        self.drafters = Proc(
+            "drafter-group", torchrun, self.run.logs / f"drafter-group-node{self.node_rank}.log"
+        )
         self.drafters.start(env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-        self.run.event("launched", node_rank=self.node_rank, nnodes=self.nnodes,
-                       targets={p.name: p.popen.pid for p in self.targets if p.popen},
-                       target_devices=target_devs, drafter_group_pid=self.drafters.popen.pid if self.drafters.popen else None,
-                       commands={p.name: shlex.join(p.argv) for p in [*self.targets, self.drafters]})
+        self.run.event(
+            "launched",
+            node_rank=self.node_rank,
+            nnodes=self.nnodes,
+            targets={p.name: p.popen.pid for p in self.targets if p.popen},
+            target_devices=target_devs,
+            drafter_group_pid=self.drafters.popen.pid if self.drafters.popen else None,
+            commands={p.name: shlex.join(p.argv) for p in [*self.targets, self.drafters]},
+        )
 
     def echo_metrics(self) -> None:
         records = list(read_jsonl(self.run.metrics))
-        for rec in records[self.metrics_seen:]:
+        for rec in records[self.metrics_seen :]:
             print(format_status_line(rec), flush=True)
         self.metrics_seen = len(records)
 
@@ -173,8 +216,9 @@ class Supervisor:
                 self.run.event("worker_died", worker=proc.name, exit_code=code)
                 if self.cfg.pipeline.restart_targets:
                     proc.start()
-                    self.run.event("restart", role="target", worker=proc.name,
-                                   pid=proc.popen.pid if proc.popen else None)
+                    self.run.event(
+                        "restart", role="target", worker=proc.name, pid=proc.popen.pid if proc.popen else None
+                    )
                 else:
                     self.stopping = f"{proc.name} died (exit code {code})"
                     self.drafters.signal(signal.SIGTERM)
@@ -195,17 +239,36 @@ class Supervisor:
             return {"reason": self.stopping, "drafter_exit_code": drafter_code}
         if drafter_code == 0:
             return {"reason": "completed", "drafter_exit_code": 0}
-        return {"reason": f"drafter group failed (exit code {drafter_code}) after up to "
-                          f"{self.cfg.pipeline.max_restarts} restarts; see logs/drafter-*.log",
-                "drafter_exit_code": drafter_code}
+        return {
+            "reason": f"drafter group failed (exit code {drafter_code}) after up to "
+            f"{self.cfg.pipeline.max_restarts} restarts; see logs/drafter-*.log",
+            "drafter_exit_code": drafter_code,
+        }
 
 
 def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> list[str]:
     run_dir = args.run_dir or str(Path(cfg.run.runs_root) / cfg.run.name)
     sets = [a for o in args.overrides for a in ("--set", o)]
-    return [shlex.join([sys.executable, "-m", "dflash.launch", args.config, *sets, "--run-dir", run_dir,
-                        "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", endpoint])
-            for i in range(nnodes)]
+    return [
+        shlex.join(
+            [
+                sys.executable,
+                "-m",
+                "dflash.launch",
+                args.config,
+                *sets,
+                "--run-dir",
+                run_dir,
+                "--nnodes",
+                str(nnodes),
+                "--node-rank",
+                str(i),
+                "--rdzv-endpoint",
+                endpoint,
+            ]
+        )
+        for i in range(nnodes)
+    ]
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -217,7 +280,9 @@ def launch(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes or cfg.pipeline.nnodes
-    endpoint = args.rdzv_endpoint or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else f"127.0.0.1:{_free_port()}")
+    endpoint = args.rdzv_endpoint or (
+        cfg.pipeline.rdzv_endpoint if nnodes > 1 else f"127.0.0.1:{_free_port()}"
+    )
     if args.plan:
         print("\n".join(plan(cfg, args, nnodes, endpoint)))
         return 0
@@ -227,7 +292,9 @@ def launch(args: argparse.Namespace) -> int:
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     elem = torch_dtype(cfg.target.dtype).itemsize
     name = f"{name_for_run(run.root)}-n{args.node_rank}"
-    queue = HiddenStateQueue.create(name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem))
+    queue = HiddenStateQueue.create(
+        name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
+    )
     sup = Supervisor(cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
@@ -242,8 +309,14 @@ def launch(args: argparse.Namespace) -> int:
         queue.close()
         queue.unlink()
     counters = {k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")}
-    run.event("stopped", node_rank=args.node_rank, queue=counters, ready_at_end=stats.get("ready"),
-              target_starts={p.name: p.starts for p in sup.targets}, **outcome)
+    run.event(
+        "stopped",
+        node_rank=args.node_rank,
+        queue=counters,
+        ready_at_end=stats.get("ready"),
+        target_starts={p.name: p.starts for p in sup.targets},
+        **outcome,
+    )
     print(f"{outcome['reason']}; run directory: {run.root}", flush=True)
     return 0 if outcome["reason"] == "completed" or outcome["reason"].startswith("signal") else 1
 

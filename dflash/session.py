@@ -34,7 +34,11 @@ def _git_commit() -> str | None:
 
 
 def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir:
-    """The run directory: created with its manifest when new; an existing one is resumed."""
+    """The run directory: created with its manifest when new; an existing one is resumed.
+    Also points inductor and triton at DFLASH_CACHE_DIR, before anything compiles."""
+    from dflash.compile_cache import cache_dir_from_env
+
+    cache_dir_from_env()
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
@@ -53,10 +57,17 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
             "command_lines": commands,
             "image_digest": os.environ.get("DFLASH_IMAGE_DIGEST"),
             "lock_sha256": os.environ.get("DFLASH_LOCK_SHA256"),
-            "cache_artifact": os.environ.get("DFLASH_CACHE_ARTIFACT"),
+            "cache_artifact": os.environ.get("DFLASH_CACHE_ARTIFACT") or _restored_key(),
         }
     run.write_manifest(manifest)
     return run
+
+
+def _restored_key() -> str | None:
+    from dflash.compile_cache import cache_dir_from_env, restored_artifact
+
+    artifact = restored_artifact(cache_dir_from_env())
+    return artifact.get("key") if artifact else None
 
 
 def resolve_target_path(cfg: JobConfig) -> str:
@@ -153,33 +164,19 @@ class CompileTracker:
         return shape not in self.seen_shapes
 
     def around_step(self, shape: tuple[int, ...], seconds: float, before: dict[str, int]) -> None:
+        from dflash.compile_cache import compiled_event, counters_delta, expect_warm
         from dflash.kernels import compile_counters
 
         if shape in self.seen_shapes:
             return
         self.seen_shapes.add(shape)
-        after = compile_counters()
-        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        delta = counters_delta(before, compile_counters())
         if not any(delta.values()):
             return
-        self.run.event(
-            "compiled",
-            worker=self.worker,
-            shape=list(shape),
-            seconds=round(seconds, 3),
-            hits=delta.get("fxgraph_hits", 0) + delta.get("autograd_hits", 0),
-            misses=delta.get("fxgraph_misses", 0) + delta.get("autograd_misses", 0),
-            counters=delta,
-        )
-        if os.environ.get("DFLASH_EXPECT_WARM_CACHE") == "1" and delta.get("fxgraph_misses", 0) > 0:
-            self.run.event(
-                "cache_miss",
-                worker=self.worker,
-                shape=list(shape),
-                fxgraph_misses=delta.get("fxgraph_misses", 0),
-                detail="a warm compile cache was expected but inductor compiled cold: "
-                "restore the artifact for this fingerprint (dflashctl cache restore)",
-            )
+        self.run.event("compiled", **compiled_event(seconds, delta, worker=self.worker, shape=list(shape)))
+        miss = expect_warm(delta, worker=self.worker, shape=list(shape))
+        if miss is not None:
+            self.run.event("cache_miss", **miss)
 
 
 class DrafterSide:

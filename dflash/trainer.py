@@ -134,8 +134,12 @@ class DrafterTrainer:
         self.backend = resolve_backend(cfg, device)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = DFlashDrafter(
-            spec, embed_VH.to(device), head_VH.to(device), backend=self.backend,
-            sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks, compile=cfg.attention.compile,
+            spec,
+            embed_VH.to(device),
+            head_VH.to(device),
+            backend=self.backend,
+            sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
+            compile=cfg.attention.compile,
         ).to(device)
         apply_compile(model, cfg)
         self.model = model

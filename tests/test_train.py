@@ -14,14 +14,37 @@ import pytest
 
 from dflash.rundir import RunDir, parse_status_line
 
-FAST = ["--set", "attention.compile=false", "--set", "train.checkpoint_every=4", "--set", "run.status_interval_s=0.5",
-        "--set", "train.warmup_steps=2"]
+FAST = [
+    "--set",
+    "attention.compile=false",
+    "--set",
+    "train.checkpoint_every=4",
+    "--set",
+    "run.status_interval_s=0.5",
+    "--set",
+    "train.warmup_steps=2",
+]
 
 
 def _train(repo: Path, runs: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
-                             "--run-dir", str(run_dir), "--set", f"run.runs_root={runs}", *FAST, *extra],
-                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash.train",
+            str(repo / "configs" / "demo-cpu.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"run.runs_root={runs}",
+            *FAST,
+            *extra,
+        ],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
@@ -56,8 +79,23 @@ def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
     lines = [ln for ln in out.splitlines() if ln.startswith("[") and " step=" in ln]
     assert lines and parse_status_line(lines[-1])["step"] == 14
     recs = run.read_metrics()
-    for key in ("loss", "acc", "acc_per_pos", "streak", "lr", "noise", "tgt_bps", "dft_bps", "tok_s", "q_pre", "q_hs",
-                "epoch", "eta_s", "compile", "gpu_mem_gb"):
+    for key in (
+        "loss",
+        "acc",
+        "acc_per_pos",
+        "streak",
+        "lr",
+        "noise",
+        "tgt_bps",
+        "dft_bps",
+        "tok_s",
+        "q_pre",
+        "q_hs",
+        "epoch",
+        "eta_s",
+        "compile",
+        "gpu_mem_gb",
+    ):
         assert key in recs[-1], key
     assert len(recs[-1]["acc_per_pos"]) == 15
     manifest = run.read_manifest()
@@ -69,18 +107,48 @@ def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
 def test_bad_data_fails_before_model_load(repo, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    out = subprocess.run([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
-                          "--set", f"data.path={empty}", "--set", f"run.runs_root={tmp_path}",
-                          "--run-dir", str(tmp_path / "r")], cwd=repo, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash.train",
+            str(repo / "configs" / "demo-cpu.toml"),
+            "--set",
+            f"data.path={empty}",
+            "--set",
+            f"run.runs_root={tmp_path}",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "error:" in out.stderr and "empty.jsonl" in out.stderr
-    assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
+    assert not (tmp_path / "r" / "checkpoints").exists() or not any(
+        (tmp_path / "r" / "checkpoints").iterdir()
+    )
 
 
 def test_config_error_names_key(repo, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dflash.train", str(repo / "configs" / "demo-cpu.toml"),
-                          "--set", "train.token_budget=-5", "--set", f"run.runs_root={tmp_path}"],
-                         cwd=repo, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash.train",
+            str(repo / "configs" / "demo-cpu.toml"),
+            "--set",
+            "train.token_budget=-5",
+            "--set",
+            f"run.runs_root={tmp_path}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "train.token_budget" in out.stderr
 
 
@@ -88,7 +156,9 @@ def test_config_error_names_key(repo, tmp_path):
 def test_sigterm_checkpoints_and_stops(repo, tmp_path):
     runs = tmp_path / "runs"
     run_dir = runs / "r2"
-    proc = _train(repo, runs, run_dir, "--set", "train.total_steps=400", "--set", "train.checkpoint_every=1000")
+    proc = _train(
+        repo, runs, run_dir, "--set", "train.total_steps=400", "--set", "train.checkpoint_every=1000"
+    )
     run = RunDir(run_dir)
     deadline = time.time() + 180
     while time.time() < deadline and not run.read_metrics():

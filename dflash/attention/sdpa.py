@@ -105,6 +105,10 @@ class SdpaBackend:
             chunks.append((s, e, p))
         return FullPlan(context_len=S, block_size=K, chunks=chunks, masks=masks)
 
+    # Runs eagerly even inside a compiled layer: the plans carry data-dependent sizes (the context
+    # prefix of each full-layer chunk), which would otherwise recompile the layer for every batch.
+    # SDPA is one fused kernel per call already; compile keeps the norms, projections and MLP.
+    @torch.compiler.disable
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: SlidingPlan | FullPlan) -> Tensor:
         if isinstance(plan, SlidingPlan):
             return self._attend_sliding(q_BHQD, k_BGLD, v_BGLD, plan)

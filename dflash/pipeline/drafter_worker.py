@@ -102,17 +102,22 @@ def _redirect_output(path: Any) -> None:
 
 
 def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
+    from dflash.compile_cache import cache_dir_from_env
     from dflash.kernels import compile_counters
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.session import DrafterSide, gpu_mem_gb, prepare_data
     from dflash.trainer import Meter
 
+    cache_dir_from_env()  # before anything compiles
     g = Group()
     device = _device(cfg, g)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if g.world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # Connect every pair now, while the ranks start in step: gloo gives up after a few refused
+        # connects if one rank reaches its first collective long after another (slow model loads).
+        dist.barrier()
     worker = f"drafter-{g.rank}"
     _redirect_output(run.log_path("drafter", g.rank))
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()

@@ -74,18 +74,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--queue", required=True)
     p.add_argument("--device", default=None)
+    p.add_argument(
+        "--data-world", type=int, default=0, help="target workers on all hosts (default: pipeline.targets)"
+    )
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     run = RunDir(args.run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    return run_target(cfg, run, args.index, args.queue, args.device or "cpu", stop)
+    return run_target(
+        cfg, run, args.index, args.queue, args.device or "cpu", stop, args.data_world or cfg.pipeline.targets
+    )
 
 
 def run_target(
-    cfg: JobConfig, run: RunDir, index: int, queue_name: str, device_name: str, stop: threading.Event
+    cfg: JobConfig,
+    run: RunDir,
+    index: int,
+    queue_name: str,
+    device_name: str,
+    stop: threading.Event,
+    data_world: int,
 ) -> int:
+    """data_world: target workers over all hosts; worker `index` reads shard `index` of data_world."""
     import json
 
     from dflash.model import resolve_spec
@@ -99,7 +111,7 @@ def run_target(
     hb = Heartbeat(run, "target", index, device=str(device)).start()
     try:
         parts = prepare_data(cfg, run)
-        batcher = make_batcher(cfg, parts.dataset, rank=index, world_size=cfg.pipeline.targets)
+        batcher = make_batcher(cfg, parts.dataset, rank=index, world_size=data_world)
         state_path = data_state_path(run, index)
         if state_path.exists():
             batcher.load_state_dict(json.loads(state_path.read_text()))
@@ -121,7 +133,7 @@ def run_target(
                 tensors, meta = pre.q.get(timeout=0.5)
             except queue.Empty:
                 if pre.error is not None:
-                    raise pre.error
+                    raise pre.error from None
                 hb.set("waiting_input")
                 continue
             hb.set("computing")

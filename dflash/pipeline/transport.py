@@ -12,8 +12,9 @@ WRITING) -> copy -> publish (-> READY); a consumer leases (READY -> LEASED) -> c
 leaves the queue usable; at worst a counter is off by one.
 
 Semantics (the contract the drafter group relies on):
-- FIFO by publish order across all producers; a batch returned by a reclaim goes to the front
-  (ahead of everything never delivered), reclaimed batches among themselves in publish order.
+- FIFO by publish order (a global sequence number taken at publish) across all producers. A batch
+  returned by a reclaim keeps its number, which is lower than that of every batch still waiting
+  (delivery is in number order), so it goes to the front of the queue.
 - A consumer calls `register_consumer(generation)` once, with torchrun's restart count
   (TORCHELASTIC_RESTART_COUNT). The queue remembers the highest generation registered. Registering a
   higher generation returns every lease held by an older generation to READY (torchrun has killed
@@ -38,6 +39,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import mmap
 import os
@@ -46,7 +48,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,14 +82,37 @@ def _record(fields: tuple[tuple[str, str], ...]) -> tuple[dict[str, tuple[int, s
 
 
 _HEADER, _HEADER_SIZE = _record(
-    (("magic", "8s"), ("version", "I"), ("capacity", "I"), ("slot_bytes", "Q"), ("slot_stride", "Q"),
-     ("data_offset", "Q"), ("next_seq", "q"), ("next_token", "Q"), ("generation", "q"), ("ready", "Q"),
-     ("produced", "Q"), ("delivered", "Q"), ("acked", "Q"), ("redelivered", "Q"),
-     ("abandoned_writes", "Q"), ("created_ns", "Q"))
+    (
+        ("magic", "8s"),
+        ("version", "I"),
+        ("capacity", "I"),
+        ("slot_bytes", "Q"),
+        ("slot_stride", "Q"),
+        ("data_offset", "Q"),
+        ("next_seq", "q"),
+        ("next_token", "Q"),
+        ("generation", "q"),
+        ("ready", "Q"),
+        ("produced", "Q"),
+        ("delivered", "Q"),
+        ("acked", "Q"),
+        ("redelivered", "Q"),
+        ("abandoned_writes", "Q"),
+        ("created_ns", "Q"),
+    )
 )
 _SLOT, _SLOT_SIZE = _record(
-    (("state", "I"), ("front", "I"), ("owner_pid", "q"), ("owner_start", "Q"), ("owner_gen", "q"),
-     ("seq", "q"), ("data_len", "Q"), ("token", "Q"), ("deliveries", "Q"))
+    (
+        ("state", "I"),
+        ("spare", "I"),
+        ("owner_pid", "q"),
+        ("owner_start", "Q"),
+        ("owner_gen", "q"),
+        ("seq", "q"),
+        ("data_len", "Q"),
+        ("token", "Q"),
+        ("deliveries", "Q"),
+    )
 )
 assert _HEADER_SIZE <= _SLOT_TABLE_OFFSET and _SLOT_SIZE == 64
 
@@ -167,10 +192,24 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def slot_bytes_for(specs: dict[str, tuple[Sequence[int], torch.dtype]], *, meta_bytes: int = 1 << 16) -> int:
+    """Slot size that holds one batch of these tensor shapes plus up to `meta_bytes` of header JSON.
+
+    For deriving pipeline.slot_mb from the batch shape (slot_mb = 0).
+    """
+    data = sum(
+        _align(math.prod(shape) * torch.empty(0, dtype=dtype).element_size(), _TENSOR_ALIGN)
+        for shape, dtype in specs.values()
+    )
+    return _align(_align(4 + meta_bytes, _TENSOR_ALIGN) + data, _PAGE)
+
+
 def _dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise TransportError(f"hidden-state slot names an unknown dtype {name!r}; writer and reader torch differ?")
+        raise TransportError(
+            f"hidden-state slot names an unknown dtype {name!r}; writer and reader torch differ?"
+        )
     return dtype
 
 
@@ -185,6 +224,7 @@ class HiddenStateQueue:
         self._pid = os.getpid()
         self._start = _process_start(self._pid) or 0
         self._generation: int | None = None
+        self._pinned: bool | None = None  # None: not tried yet (done on first CUDA copy)
         self._last_reclaim = 0.0
         self.capacity = self._h("capacity")
         self.slot_bytes = self._h("slot_bytes")
@@ -231,8 +271,15 @@ class HiddenStateQueue:
             else:
                 os.ftruncate(fd, total)
             with mmap.mmap(fd, _SLOT_TABLE_OFFSET, mmap.MAP_SHARED) as head:
-                values = {"magic": _MAGIC, "version": 1, "capacity": capacity, "slot_bytes": slot_bytes,
-                          "slot_stride": stride, "data_offset": data_offset, "created_ns": time.time_ns()}
+                values = {
+                    "magic": _MAGIC,
+                    "version": 1,
+                    "capacity": capacity,
+                    "slot_bytes": slot_bytes,
+                    "slot_stride": stride,
+                    "data_offset": data_offset,
+                    "created_ns": time.time_ns(),
+                }
                 for key, value in values.items():
                     off, packer = _HEADER[key]
                     packer.pack_into(head, off, value)
@@ -263,8 +310,10 @@ class HiddenStateQueue:
             os.close(fd)
             raise
         magic = _HEADER["magic"][1].unpack_from(mm, 0)[0]
-        capacity, stride, data_offset = (_HEADER[k][1].unpack_from(mm, _HEADER[k][0])[0]
-                                         for k in ("capacity", "slot_stride", "data_offset"))
+        capacity, stride, data_offset = (
+            _HEADER[k][1].unpack_from(mm, _HEADER[k][0])[0]
+            for k in ("capacity", "slot_stride", "data_offset")
+        )
         if magic != _MAGIC or size != data_offset + capacity * stride:
             mm.close()
             os.close(fd)
@@ -275,6 +324,8 @@ class HiddenStateQueue:
         """Unmap. Views handed out with copy=False keep the mapping alive until they are freed."""
         if self._fd < 0:
             return
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
         self._mem = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # live views from get(copy=False) keep the mapping
             self._mm.close()
@@ -290,6 +341,31 @@ class HiddenStateQueue:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether this process has page-locked the mapping for CUDA (done on its first CUDA copy)."""
+        return bool(self._pinned)
+
+    def _pin_for_cuda(self) -> None:
+        """Page-lock the mapping once, so copies between a slot and a GPU run by DMA, not staged.
+
+        Each process registers its own mapping; on failure the copies still work, only slower.
+        """
+        if self._pinned is not None:
+            return
+        cudart = torch.cuda.cudart()
+        # Flag 1 = cudaHostRegisterPortable: pinned for every device this process may use.
+        error = int(cudart.cudaHostRegister(self._mem.data_ptr(), self._mem.numel(), 1))
+        self._pinned = error == 0
+        if not self._pinned:
+            logging.getLogger(__name__).warning(
+                "hidden-state queue %s: cudaHostRegister of %d MiB failed (%s); GPU copies stay pageable "
+                "and slower",
+                self.name,
+                self._mem.numel() >> 20,
+                error,
+            )
 
     # ---- control block ---------------------------------------------------------------------------
     def _h(self, key: str) -> Any:
@@ -334,7 +410,7 @@ class HiddenStateQueue:
 
     # ---- reclaim ---------------------------------------------------------------------------------
     def _return_to_ready(self, slot: int) -> None:
-        self._sset(slot, state=READY, front=1, owner_pid=0, owner_start=0, token=0)
+        self._sset(slot, state=READY, owner_pid=0, owner_start=0, token=0)
         self._hadd("ready", 1)
         self._hadd("redelivered", 1)
 
@@ -350,7 +426,8 @@ class HiddenStateQueue:
                 self._sset(slot, state=FREE, owner_pid=0, owner_start=0)
                 self._hadd("abandoned_writes", 1)
             elif state == LEASED and (
-                dead or (older_than_generation is not None and self._s(slot, "owner_gen") < older_than_generation)
+                dead
+                or (older_than_generation is not None and self._s(slot, "owner_gen") < older_than_generation)
             ):
                 self._return_to_ready(slot)
                 returned += 1
@@ -416,15 +493,19 @@ class HiddenStateQueue:
     # ---- producer --------------------------------------------------------------------------------
     def _plan(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[bytes, list[int], int]:
         """Slot header (JSON) and the offset of every tensor's bytes; raises if the item cannot fit."""
-        entries, offsets, pos = [], [], 0
+        entries: list[dict[str, Any]] = []
+        offsets, described, pos = [], [], 0
         for name, t in tensors.items():
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-                raise TypeError(f"hidden-state items map str -> Tensor; got {type(name).__name__} -> "
-                                f"{type(t).__name__}")
+                raise TypeError(
+                    f"hidden-state items map str -> Tensor; got {type(name).__name__} -> {type(t).__name__}"
+                )
             nbytes = t.numel() * t.element_size()
-            entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape),
-                            "offset": pos, "nbytes": nbytes})
+            entries.append(
+                {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": pos, "nbytes": nbytes}
+            )
             offsets.append(pos)
+            described.append(f"{name}{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
             pos = _align(pos + nbytes, _TENSOR_ALIGN)
         try:
             header = json.dumps({"meta": meta, "tensors": entries}, allow_nan=False).encode()
@@ -433,8 +514,7 @@ class HiddenStateQueue:
         data_start = _align(4 + len(header), _TENSOR_ALIGN)
         needed = data_start + pos
         if needed > self.slot_bytes:
-            shapes = ", ".join(f"{e['name']}{tuple(e['shape'])} {e['dtype'].removeprefix('torch.')}"
-                               for e in entries)
+            shapes = ", ".join(described)
             raise ConfigError(
                 "pipeline.slot_mb",
                 f"a hidden-state batch needs {needed} bytes ({needed / 2**20:.2f} MiB: {shapes}) but a slot "
@@ -448,8 +528,14 @@ class HiddenStateQueue:
             for attempt in range(2):
                 for slot in range(self.capacity):
                     if self._s(slot, "state") == FREE:
-                        self._sset(slot, state=WRITING, owner_pid=self._pid, owner_start=self._start,
-                                   owner_gen=-1, token=0)
+                        self._sset(
+                            slot,
+                            state=WRITING,
+                            owner_pid=self._pid,
+                            owner_start=self._start,
+                            owner_gen=-1,
+                            token=0,
+                        )
                         return slot
                 if attempt == 0:
                     self._maybe_reclaim_locked()
@@ -475,6 +561,8 @@ class HiddenStateQueue:
             self._mm[base + 4 : base + 4 + len(header)] = header
             for off, t in zip(offsets, tensors.values(), strict=True):
                 flat = t.detach().contiguous().reshape(-1)
+                if flat.is_cuda:
+                    self._pin_for_cuda()
                 if flat.numel():
                     # A device->host copy straight into the slot: no staging tensor.
                     dst = self._mem[base + off : base + off + flat.numel() * flat.element_size()]
@@ -486,8 +574,7 @@ class HiddenStateQueue:
         with self._locked():
             seq = self._h("next_seq")
             self._hset("next_seq", seq + 1)
-            self._sset(slot, seq=seq, data_len=needed, front=0, deliveries=0, owner_pid=0, owner_start=0,
-                       state=READY)
+            self._sset(slot, seq=seq, data_len=needed, deliveries=0, owner_pid=0, owner_start=0, state=READY)
             self._hadd("ready", 1)
             self._hadd("produced", 1)
         return True
@@ -503,21 +590,28 @@ class HiddenStateQueue:
                     "this process must exit (its leases were handed to the new group)"
                 )
             for attempt in range(2):
-                best, best_key = -1, (0, 0)
+                best, best_seq = -1, 0
                 for slot in range(self.capacity):
                     if self._s(slot, "state") == READY:
-                        key = (0 if self._s(slot, "front") else 1, self._s(slot, "seq"))
-                        if best < 0 or key < best_key:
-                            best, best_key = slot, key
+                        seq = self._s(slot, "seq")
+                        if best < 0 or seq < best_seq:
+                            best, best_seq = slot, seq
                 if best >= 0:
                     token = self._h("next_token") + 1
                     self._hset("next_token", token)
                     deliveries = self._s(best, "deliveries") + 1
-                    self._sset(best, owner_pid=self._pid, owner_start=self._start, owner_gen=self._generation,
-                               token=token, deliveries=deliveries, state=LEASED)
+                    self._sset(
+                        best,
+                        owner_pid=self._pid,
+                        owner_start=self._start,
+                        owner_gen=self._generation,
+                        token=token,
+                        deliveries=deliveries,
+                        state=LEASED,
+                    )
                     self._hadd("ready", -1)
                     self._hadd("delivered", 1)
-                    return best, best_key[1], token, deliveries
+                    return best, best_seq, token, deliveries
                 if attempt == 0:
                     self._maybe_reclaim_locked()
         return None
@@ -533,7 +627,9 @@ class HiddenStateQueue:
     ) -> Lease | None:
         """Lease the oldest ready batch; None when stopped or timed out. ack() it after the step."""
         if self._generation is None:
-            raise TransportError("call register_consumer(generation) before get(): leases carry the generation")
+            raise TransportError(
+                "call register_consumer(generation) before get(): leases carry the generation"
+            )
         if not copy and device is not None and torch.device(device).type != "cpu":
             raise ValueError("copy=False gives views into shared memory, which lives on the CPU; drop device")
         taken = self._wait_for(self._take, timeout, on_wait, stop)
@@ -555,13 +651,17 @@ class HiddenStateQueue:
                 elif device is None:
                     tensors[entry["name"]] = view.clone()
                 else:
+                    if torch.device(device).type == "cuda":
+                        self._pin_for_cuda()
                     tensors[entry["name"]] = view.to(device, copy=True)
         except BaseException:
             with self._locked():
                 if self._s(slot, "state") == LEASED and self._s(slot, "token") == token:
                     self._return_to_ready(slot)
             raise
-        return Lease(tensors=tensors, meta=header["meta"], slot=slot, seq=seq, token=token, deliveries=deliveries)
+        return Lease(
+            tensors=tensors, meta=header["meta"], slot=slot, seq=seq, token=token, deliveries=deliveries
+        )
 
     def ack(self, lease: Lease) -> None:
         """Free the batch's slot (after the optimizer step that used it). Views of it become invalid."""
@@ -585,9 +685,10 @@ class HiddenStateQueue:
         with self._locked():
             states = [self._s(slot, "state") for slot in range(self.capacity)]
             out: dict[str, Any] = {key: int(self._h(key)) for key in _COUNTERS}
-            out.update(generation=int(self._h("generation")), capacity=self.capacity, slot_bytes=self.slot_bytes)
+            out.update(
+                generation=int(self._h("generation")), capacity=self.capacity, slot_bytes=self.slot_bytes
+            )
         for state, label in _STATE_NAMES.items():
             out[label] = states.count(state)
         out["depth"] = out["ready"]
         return out
-

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project in ONE device call (<= 10 min wall clock), results under $OUT.
+#
+#   OUT=/some/dir bash bench/h200.sh          # on the GPU machine, repo root as working dir
+#   PYTHON=.venv/bin/python OUT=/tmp/h200 bash bench/h200.sh   # CPU smoke run: tiny sizes instead of GPU ones
+#
+# Steps (rough H200 time budget; each runs under `timeout`, a failure does not stop the next):
+#   0. pip install zstandard from .carry/wheels (if present)            ~5 s
+#   a. pytest -m gpu -q tests/          -> $OUT/pytest.log             <= 75 s
+#   b. bench/attention.py               -> $OUT/attention.json         <= 40 s   (log: benches.log)
+#   c. bench/drafter_step.py            -> $OUT/drafter_step.json      <= 70 s   (log: benches.log)
+#   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
+#                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
+#   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 300 s (log: pipeline.log)
+#      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
+#      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
+# A step that overruns its cap is cut by `timeout`; the caps of later steps are always kept for them.
+# Eight files come back at most: the four JSONs and four logs above. The summary table goes to stdout.
+set -u
+OUT=${OUT:?set OUT to the results directory}
+PY=${PYTHON:-python}
+TOTAL_S=${H200_TOTAL_S:-570}        # the device call's 600 s minus slack for start-up and copying back
+PIPELINE_MIN_S=${H200_PIPELINE_MIN_S:-300}
+WORK=${DFLASH_BENCH_WORK:-/tmp/dflash-bench}   # scratch: the 16 GB random target lives here (reused)
+mkdir -p "$OUT" "$WORK"
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SECONDS=0
+declare -A STATUS
+
+if [ -d .carry/wheels ]; then
+  "$PY" -m pip install -q --no-index --find-links .carry/wheels zstandard || echo "warning: zstandard install failed"
+fi
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  GPU=1; TINY=(); echo "GPU: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), torch.__version__)')"
+else
+  GPU=0; TINY=(--tiny); echo "no GPU: running the tiny CPU variants instead"
+fi
+
+# budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
+budget() {
+  local left=$(( TOTAL_S - SECONDS - ${2:-0} ))
+  (( left < ${1} )) && echo $(( left > 10 ? left : 10 )) || echo "$1"
+}
+
+# step NAME SECONDS LOG CMD...: run with a timeout, append output to LOG, record the exit code.
+step() {
+  local name=$1 secs=$2 log=$3; shift 3
+  echo "=== $name (timeout ${secs}s, t=${SECONDS}s) ===" | tee -a "$log"
+  timeout --kill-after=15 "$secs" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  STATUS[$name]="rc=$rc $([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo TIMEOUT)"
+  echo "=== $name: rc=$rc at t=${SECONDS}s ===" | tee -a "$log"
+}
+
+# (a) GPU tests (they skip themselves without a GPU)
+step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
+
+# (b), (c) kernel and drafter-step benchmarks
+step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 85)))" "$OUT/benches.log" \
+  "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
+step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
+  "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --out "$OUT/drafter_step.json"
+
+# (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
+# empty dir after checking the fingerprint against this interpreter, then a NEW process compiling the
+# same steps on the restored dir must report hits and no misses.
+cache_roundtrip() {
+  local scratch; scratch=$(mktemp -d "$WORK/cache-XXXXXX")   # 0700: the store refuses looser parents
+  export XDG_CACHE_HOME="$scratch/xdg-cache" XDG_CONFIG_HOME="$scratch/xdg-config"
+  unset DFLASH_CACHE_STORE DFLASH_CACHE_SIGNING_KEY
+  local sets=(--set "run.runs_root=$scratch/runs")
+  if [ "$GPU" = 1 ]; then sets+=(--set run.device=cuda --set attention.backend=flex); fi
+  local pyabs; pyabs=$(command -v "$PY")
+  "$PY" -m runner.cli warm-cache configs/demo-cpu.toml --python "$pyabs" "${sets[@]}" \
+    --store "$scratch/store" --json > "$scratch/warm.json" || { echo "warm-cache failed"; return 1; }
+  local key; key=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["key"])' "$scratch/warm.json")
+  echo "artifact $key"
+  "$PY" -m runner.cli cache restore "$key" --store "$scratch/store" --dest "$scratch/restored/cache" \
+    --python "$pyabs" --config configs/demo-cpu.toml "${sets[@]}" || { echo "restore failed"; return 1; }
+  "$PY" -m dflash.warm configs/demo-cpu.toml --out "$scratch/restored/cache" "${sets[@]}" \
+    > "$scratch/again.jsonl" || { echo "warm run on the restored dir failed"; return 1; }
+  "$PY" - "$scratch/warm.json" "$scratch/again.jsonl" "$OUT/compile_cache.json" "$GPU" <<'EOF'
+import json, sys
+warm = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+events = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
+done = next(e for e in events if e["event"] == "done")
+cold, hot = warm["warm"], done
+c, cc = hot["counters"], cold["counters"]
+res = {
+    "key": warm["key"], "device": "cuda" if sys.argv[4] == "1" else "cpu", "artifact_bytes": warm["size"],
+    "artifact_files": warm["files"], "warm_cache_cmd_s": warm["seconds"],
+    "cold_compile_s": cold["seconds"], "restored_compile_s": hot["seconds"],
+    "ratio": hot["seconds"] / cold["seconds"] if cold["seconds"] else None,
+    "cold_counters": cc, "restored_counters": c,
+    "all_hits": c.get("fxgraph_misses", 1) == 0 and c.get("autograd_misses", 1) == 0
+                and c.get("fxgraph_hits", 0) == cc.get("fxgraph_misses", 0) + cc.get("fxgraph_hits", 0),
+    "shapes": [e["shape"] for e in events if e["event"] == "shape"],
+}
+open(sys.argv[3], "w").write(json.dumps(res, indent=2))
+print(json.dumps({k: res[k] for k in ("cold_compile_s", "restored_compile_s", "ratio", "all_hits")}))
+sys.exit(0 if res["all_hits"] else 3)
+EOF
+  local rc=$?
+  rm -rf "$scratch"
+  return $rc
+}
+export GPU PY WORK OUT
+step compile_cache "$(budget 85 "$PIPELINE_MIN_S")" "$OUT/cache.log" \
+  bash -c "$(declare -f cache_roundtrip); cache_roundtrip"
+
+# (e) the pipeline benchmark gets what is left; it shortens its end-to-end run to fit --budget-s.
+PIPE_S=$(budget 9999)
+step pipeline "$PIPE_S" "$OUT/pipeline.log" \
+  "$PY" bench/pipeline.py "${TINY[@]}" --work "$WORK" --budget-s $((PIPE_S - 20)) --out "$OUT/pipeline.json"
+
+echo
+echo "=== summary (t=${SECONDS}s) ==="
+for s in pytest attention drafter_step compile_cache pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+"$PY" - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+p = load("pipeline.json")
+if p:
+    s = p["summary"]
+    fmt = lambda x, f="{:.0f}": f.format(x) if x is not None else "n/a"
+    print(f"{p['device']}, torch {p['torch']}")
+    for k in ("baseline_tok_s", "target_only_tok_s", "drafter_only_tok_s", "e2e_tok_s"):
+        print(f"  {k:24} {fmt(s[k]):>10}")
+    print(f"  capture speedup          {fmt(s['capture_speedup_vs_baseline'], '{:.2f}x'):>10}  (goal >= 1.25x)")
+    print(f"  pipeline efficiency      {fmt(s['pipeline_efficiency'], '{:.1%}'):>10}  (goal >= 95%)")
+d = load("drafter_step.json")
+for r in (d or {}).get("results", []):
+    print(f"  drafter_step {r['backend']:5} {r['step_ms']:8.1f} ms  {r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%}")
+c = load("compile_cache.json")
+if c:
+    print(f"  compile cache: cold {c['cold_compile_s']:.1f} s, restored {c['restored_compile_s']:.1f} s, all hits {c['all_hits']}")
+a = load("attention.json")
+if a:
+    print(f"  attention.json: {len(json.dumps(a))} bytes")
+EOF
+ls -la "$OUT"

@@ -1,0 +1,169 @@
+"""The compile-cache fingerprint: everything that decides what inductor compiles for this job.
+
+    python -m dflash.fingerprint [CONFIG] [--set key=value ...]
+
+prints {"key", "fingerprint"} as one JSON line. Without CONFIG only the environment and source
+parts are printed (key null): what `dflashctl cache restore` compares when no config is given.
+
+key = sha256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the fingerprint; runner/
+cache/canonical.py spells the same form and the two must agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+PACKAGE = Path(__file__).resolve().parent
+COMPILED_SOURCES = ["model.py", "attention/*.py", "kernels.py", "trainer.py", "compile_cache.py"]
+"""dflash files that define compiled code (the layers, attention, apply_compile)."""
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+def fingerprint_key(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(fingerprint)).hexdigest()
+
+
+def source_hashes() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pattern in COMPILED_SOURCES:
+        for path in sorted(PACKAGE.glob(pattern)):
+            out[path.relative_to(PACKAGE).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def env_fingerprint(device_type: str) -> dict[str, Any]:
+    """The compile-relevant part of envprobe.probe(): not the package list or driver (they do not
+    change generated code); the CPU vector ISA on CPU (inductor's C++ kernels are built for it)."""
+    from dflash.envprobe import probe
+
+    p = probe()
+    torch_info = p.get("torch") or {}
+    env: dict[str, Any] = {
+        "python": p["python"]["version"],
+        "torch": torch_info.get("version"),
+        "torch_git": torch_info.get("git_version"),
+        "cuda": torch_info.get("cuda"),
+        "triton": (p.get("triton") or {}).get("version"),
+        "device_type": device_type,
+        "gpus": [],
+        "cpu_isa": None,
+    }
+    if device_type == "cuda":
+        seen = {(g["name"], g["compute_capability"]) for g in p.get("gpus", [])}
+        env["gpus"] = [{"name": n, "capability": c} for n, c in sorted(seen)]
+    else:
+        from torch._inductor import cpu_vec_isa
+
+        env["cpu_isa"] = str(cpu_vec_isa.pick_vec_isa()) or "none"
+    return env
+
+
+def shape_buckets(cfg: Any) -> list[list[int]]:
+    """Every (rows, padded length) the trainer can produce: one per length bucket (the trainer pads a
+    bucket's short batches up to its row count, so each bucket is exactly one shape)."""
+    from dflash.trainer import rows_for_length
+
+    m = cfg.data.bucket_multiple
+    lo = -(-cfg.data.min_seq_len // m) * m
+    hi = -(-cfg.data.max_seq_len // m) * m
+    return [
+        [rows_for_length(cfg, length), length]
+        for length in range(max(lo, m), hi + 1, m)
+        if length <= cfg.train.token_budget
+    ]
+
+
+def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str) -> dict[str, Any]:
+    return {
+        "shapes": shape_buckets(cfg),
+        "num_anchors": cfg.train.num_anchors,
+        "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
+        "target_dtype": cfg.target.dtype,
+        "autocast": "bfloat16" if device_type == "cuda" else None,
+        "attention": {
+            "backend": backend,
+            "compile": cfg.attention.compile,
+            "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
+        },
+        "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
+        "drafter": spec.to_dict() if hasattr(spec, "to_dict") else dataclasses.asdict(spec),
+    }
+
+
+def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
+    """(spec, device, backend, target_path): the drafter side's own resolution, so keys match training."""
+    from transformers import AutoConfig
+
+    from dflash.model import resolve_spec
+    from dflash.session import resolve_target_path
+    from dflash.tokenizer import load_tokenizer, require_mask_token
+    from dflash.trainer import resolve_backend, resolve_device
+
+    device = resolve_device(cfg)
+    backend = resolve_backend(cfg, device)
+    target_path = resolve_target_path(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer, target_path)
+    mask_id = require_mask_token(tok, cfg.drafter.mask_token_id)
+    target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
+    return resolve_spec(cfg.drafter, target_config, mask_id), device, backend, target_path
+
+
+def cache_fingerprint(cfg: Any, *, device: Any = None) -> dict[str, Any]:
+    spec, resolved, backend, _ = resolve_job(cfg)
+    device = device or resolved
+    return {
+        "format": FORMAT,
+        "env": env_fingerprint(device.type),
+        "job": job_fingerprint(cfg, spec, device.type, backend),
+        "sources": source_hashes(),
+    }
+
+
+def partial_fingerprint(device_type: str) -> dict[str, Any]:
+    return {"format": FORMAT, "env": env_fingerprint(device_type), "sources": source_hashes()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash.fingerprint", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", help="job config (TOML); omit for the environment part only")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default=None,
+        help="without a config: the device type the cache is for (default: cuda if visible)",
+    )
+    p.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    args = p.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):
+        if args.config:
+            from dflash.config import load_config
+
+            cfg = load_config(args.config, args.sets)
+            fp = cache_fingerprint(cfg)
+            result = {"key": fingerprint_key(fp), "fingerprint": fp}
+        else:
+            import torch
+
+            dev = args.device or "auto"
+            if dev == "auto":
+                dev = "cuda" if torch.cuda.is_available() else "cpu"
+            result = {"key": None, "fingerprint": partial_fingerprint(dev), "partial": True}
+    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

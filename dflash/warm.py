@@ -1,0 +1,136 @@
+"""Warm the compile cache: compile every shape this config can produce, in this one process and thread.
+
+    python -m dflash.warm configs/demo-cpu.toml --out DIR [--set key=value ...]
+
+Points TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR at DIR/inductor and DIR/triton before torch
+compiles anything, builds the drafter exactly as a drafter worker does (DrafterTrainer: the same
+apply_compile, attention backend, block masks, autocast; random drafter weights, which do not change
+the compiled code) and runs one real training step (forward, backward, optimizer) per shape bucket on
+synthetic tokens. Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
+
+    {"event": "fingerprint", "key": ..., "fingerprint": {...}}
+    {"event": "plan", "shapes": [[rows, length], ...]}
+    {"event": "shape", "index": i, "total": n, "shape": {"rows", "length"}, "seconds": s, "counters": {...}}
+    {"event": "done", "seconds": s, "counters": {...}}
+
+and writes DIR/warm.json ({key, fingerprint, shapes, seconds, counters}). Compiling from more than
+one thread of a process deadlocks cold inductor caches (field fact), hence no threads here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.compile_cache import counters_delta, use_cache_dir
+
+WARM_STATS = "warm.json"
+
+
+def _emit(event: str, **fields: Any) -> None:
+    sys.__stdout__.write(json.dumps({"event": event, **fields}, sort_keys=True) + "\n")  # type: ignore[union-attr]
+    sys.__stdout__.flush()  # type: ignore[union-attr]
+
+
+def _synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: Any) -> tuple[Any, ...]:
+    """Full-length rows of random tokens, every position trained: values do not change compiled code."""
+    import torch
+
+    from dflash.session import torch_dtype
+
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    input_ids_BL = torch.randint(0, spec.vocab_size, (rows, length), generator=gen)
+    loss_mask_BL = torch.ones(rows, length, dtype=torch.bool)
+    seq_lens_B = torch.full((rows,), length, dtype=torch.long)
+    features = len(spec.target_layer_ids) * spec.target_hidden_size
+    hidden_BLF = torch.randn(rows, length, features, generator=gen).to(torch_dtype(cfg.target.dtype))
+    return input_ids_BL, loss_mask_BL, seq_lens_B, hidden_BLF
+
+
+def warm(cfg: Any, out: Path) -> dict[str, Any]:
+    import torch
+
+    from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job, shape_buckets
+    from dflash.kernels import KernelGuard, compile_counters
+    from dflash.session import torch_dtype
+    from dflash.target import load_frozen_head
+    from dflash.trainer import DrafterTrainer, resolve_strict
+
+    fp = cache_fingerprint(cfg)
+    key = fingerprint_key(fp)
+    _emit("fingerprint", key=key, fingerprint=fp)
+    spec, device, _, target_path = resolve_job(cfg)
+    shapes = shape_buckets(cfg)
+    _emit("plan", shapes=shapes)
+    embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
+    trainer = DrafterTrainer(cfg, spec, embed, head, device)
+    degraded: list[dict[str, str]] = []
+    guard = KernelGuard(
+        lambda kind, detail: degraded.append({"kind": kind, "detail": detail}),
+        strict=resolve_strict(cfg, device),
+    )
+    start_counters = compile_counters()
+    started = time.perf_counter()
+    per_shape = []
+    with guard:
+        for i, (rows, length) in enumerate(shapes, 1):
+            before = compile_counters()
+            t0 = time.perf_counter()
+            trainer.train_step(*_synthetic_step_inputs(cfg, spec, rows, length, device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            guard.check()
+            delta = counters_delta(before, compile_counters())
+            record = {
+                "shape": {"rows": rows, "length": length},
+                "seconds": round(seconds, 3),
+                "counters": delta,
+            }
+            per_shape.append(record)
+            _emit("shape", index=i, total=len(shapes), **record)
+    total = time.perf_counter() - started
+    counters = counters_delta(start_counters, compile_counters())
+    stats = {
+        "key": key,
+        "fingerprint": fp,
+        "shapes": per_shape,
+        "seconds": round(total, 3),
+        "counters": counters,
+        "degraded": degraded,
+        "device": str(device),
+    }
+    tmp = out / (WARM_STATS + ".tmp")
+    tmp.write_text(json.dumps(stats, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out / WARM_STATS)
+    _emit("done", seconds=round(total, 3), counters=counters)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash.warm", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="job config (TOML)")
+    p.add_argument("--out", required=True, help="cache dir to fill: DIR/inductor, DIR/triton, DIR/warm.json")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    out = use_cache_dir(args.out)  # before torch is imported: inductor must never see another dir
+    from dflash.config import load_config
+    from dflash.errors import DFlashError
+
+    try:
+        cfg = load_config(args.config, args.sets)
+        # Everything but our JSON lines goes to stderr, so the runner's parser sees only events.
+        with contextlib.redirect_stdout(sys.stderr):
+            warm(cfg, out)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

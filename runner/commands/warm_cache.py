@@ -1,0 +1,120 @@
+"""`dflashctl warm-cache CONFIG.toml`: compile every shape once, save the cache as an artifact."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from runner import remote
+from runner.cache.signing import load_keyring
+from runner.cache.store import STORE_ENV, Store
+from runner.cache.target import JobEnv, variant_image
+from runner.cache.warmrun import warm_cache
+from runner.console import cli_errors, console
+from runner.errors import RunnerError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+
+def _wants_gpu(config: Path, host: str | None) -> bool:
+    try:
+        device = tomllib.loads(config.read_text()).get("run", {}).get("device", "auto")
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise RunnerError(f"cannot read {config}: {e}") from None
+    if device == "auto":
+        return remote.run(host, ["sh", "-c", "command -v nvidia-smi"], check=False).returncode == 0
+    return device == "cuda"
+
+
+def _progress(event: dict[str, Any]) -> None:
+    kind = event.get("event")
+    if kind == "fingerprint":
+        console.print(f"fingerprint {str(event.get('key'))[:16]}", highlight=False)
+    elif kind == "plan":
+        console.print(f"compiling {len(event.get('shapes', []))} shape(s) in one process, one thread")
+    elif kind == "shape":
+        c = event.get("counters", {})
+        console.print(
+            f"  [{event.get('index')}/{event.get('total')}] {json.dumps(event.get('shape'))}: "
+            f"{event.get('seconds', 0):.1f} s, fxgraph hits {c.get('fxgraph_hits', 0)} misses "
+            f"{c.get('fxgraph_misses', 0)}",
+            highlight=False,
+        )
+    elif kind == "done":
+        console.print(f"compiled in {event.get('seconds', 0):.1f} s")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("warm-cache")
+    def warm_cache_cmd(
+        config: Annotated[Path, typer.Argument(help="Job config TOML (e.g. configs/demo-cpu.toml).")],
+        python: Annotated[
+            str | None,
+            typer.Option(
+                help="Interpreter of the job environment (default python3; inside the image with --image)."
+            ),
+        ] = None,
+        image: Annotated[str | None, typer.Option(help="Run in this container image.")] = None,
+        variant: Annotated[
+            str | None, typer.Option(help="Run in the image built for this variant (envs/V).")
+        ] = None,
+        host: Annotated[
+            str | None, typer.Option(help="Run on USER@HOST over ssh (DFLASH_SSH_OPTS applies).")
+        ] = None,
+        sets: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value.")] = None,
+        store: Annotated[
+            Path | None, typer.Option(envvar=STORE_ENV, show_envvar=True, help="Artifact store directory.")
+        ] = None,
+        as_json: Annotated[
+            bool, typer.Option("--json", help="Print the result as JSON (no progress).")
+        ] = False,
+    ) -> None:
+        """Compile the job's real code paths for every shape the config can produce; save the cache."""
+        with cli_errors():
+            if image and variant:
+                raise RunnerError("pass --image or --variant, not both")
+            if variant:
+                from runner.envs import load_variant
+
+                image = variant_image(load_variant(variant).name)
+            env = JobEnv(python=python or "python3", host=host, image=image)
+            if image:
+                env.gpus = _wants_gpu(config, host)
+            result = warm_cache(
+                config,
+                env=env,
+                store=Store(store),
+                sets=sets,
+                ring=load_keyring(),
+                on_event=None if as_json else _progress,
+            )
+            art = result.artifact
+            if as_json:
+                typer.echo(
+                    json.dumps(
+                        {
+                            "key": art.key,
+                            "path": str(art.path),
+                            "size": art.manifest.archive.size,
+                            "files": len(art.manifest.files),
+                            "seconds": round(result.seconds, 2),
+                            "signed": art.manifest.signature is not None,
+                            "warm": art.manifest.warm,
+                        }
+                    )
+                )
+                return
+            console.print(f"[green]artifact[/] {art.key}", highlight=False)
+            console.print(
+                f"  {len(art.manifest.files)} files, archive {art.manifest.archive.size} bytes, "
+                f"{'signed' if art.manifest.signature else 'unsigned'}, at {art.path}",
+                highlight=False,
+            )
+            typer.echo(art.key)

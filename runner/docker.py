@@ -1,0 +1,76 @@
+"""The docker CLI, locally or on a host over ssh: inspect images, stream a build, run a probe.
+
+Builds use the classic builder (DOCKER_BUILDKIT=0) and read their context as a tar on stdin, so the
+same command works on this machine and through ssh, and only the files the plan lists are sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from runner import remote
+from runner.errors import RunnerError
+
+
+def ensure_engine(host: str | None) -> None:
+    proc = remote.run(host, ["docker", "info", "--format", "{{.ServerVersion}}"], check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr or b"").decode(errors="replace").strip()[-400:]
+        raise RunnerError(
+            f"no Docker engine reachable on {host or 'this machine'} ({tail}); start dockerd, "
+            "or build a venv instead with `dflashctl build --venv PATH`"
+        )
+
+
+def image_exists(host: str | None, ref: str) -> bool:
+    return (
+        remote.run(host, ["docker", "image", "inspect", "--format", "{{.Id}}", ref], check=False).returncode
+        == 0
+    )
+
+
+def image_labels(host: str | None, ref: str) -> dict[str, str]:
+    proc = remote.run(host, ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref])
+    return json.loads(proc.stdout.decode() or "null") or {}
+
+
+def image_id(host: str | None, ref: str) -> str:
+    return (
+        remote.run(host, ["docker", "image", "inspect", "--format", "{{.Id}}", ref]).stdout.decode().strip()
+    )
+
+
+def stream(
+    host: str | None, argv: Sequence[str], *, stdin_path: Path | None, on_line: Callable[[str], None]
+) -> None:
+    """Run argv (on host), feeding stdin_path, handing each output line to on_line as it arrives."""
+    full = remote.remote_argv(host, argv)
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    stdin = stdin_path.open("rb") if stdin_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(full, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except FileNotFoundError as e:
+        raise RunnerError(f"cannot run {full[0]!r}: {e.strerror}; is it installed and on PATH?") from e
+    finally:
+        if stdin_path:
+            stdin.close()  # type: ignore[union-attr]
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        tail.append(line)
+        on_line(line)
+    if proc.wait() != 0:
+        raise RunnerError(
+            f"`{' '.join(argv[:4])} ...` failed on {host or 'this machine'} with exit code "
+            f"{proc.returncode}; last lines:\n" + "\n".join(tail)
+        )
+
+
+def run_python_source(host: str | None, image: str, source: str, *, timeout: float = 300) -> bytes:
+    """stdout of `python -` fed `source`, inside a fresh container of image (no network)."""
+    argv = ["docker", "run", "--rm", "-i", "--network", "none", image, "python3", "-"]
+    return remote.run(host, argv, input=source.encode(), timeout=timeout).stdout

@@ -1,0 +1,121 @@
+"""Real torch.compile on CPU, end to end through the CLI: warm-cache -> list -> restore into an empty
+dir -> a NEW process compiling the same drafter step hits the cache with no misses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "demo-cpu.toml"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg-cache")
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg-config")
+    env.pop("DFLASH_CACHE_STORE", None)
+    env.pop("DFLASH_CACHE_SIGNING_KEY", None)
+    return env
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runner.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=900,
+    )
+
+
+def _events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.RecordProperty) -> None:
+    runs = f"run.runs_root={tmp_path / 'runs'}"
+    warm = _cli(tmp_path, "warm-cache", str(CONFIG), "--python", sys.executable, "--set", runs, "--json")
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    result = json.loads(warm.stdout.strip().splitlines()[-1])
+    key = result["key"]
+    cold = result["warm"]
+    assert cold["counters"]["fxgraph_misses"] > 0, "the warm run compiled cold into a fresh dir"
+    assert cold["shapes"] and all(s["shape"]["rows"] >= 1 for s in cold["shapes"])
+    store = tmp_path / "xdg-cache" / "dflashctl" / "artifacts"
+    assert (store / key / "manifest.json").is_file()
+
+    listed = _cli(tmp_path, "cache", "list", "--json")
+    assert [a["key"] for a in json.loads(listed.stdout)["artifacts"]] == [key]
+    assert _cli(tmp_path, "cache", "verify", key[:12]).returncode == 0
+
+    dest = tmp_path / "fresh" / "cache"
+    restored = _cli(
+        tmp_path,
+        "cache",
+        "restore",
+        key[:12],
+        "--dest",
+        str(dest),
+        "--python",
+        sys.executable,
+        "--config",
+        str(CONFIG),
+        "--set",
+        runs,
+    )
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert json.loads((dest / "artifact.json").read_text())["key"] == key
+
+    # A new process compiling the same step with the restored dir: all hits, no misses.
+    again = subprocess.run(
+        [sys.executable, "-m", "dflash.warm", str(CONFIG), "--out", str(dest), "--set", runs],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = next(e for e in _events(again.stdout) if e["event"] == "done")
+    c = done["counters"]
+    assert c["fxgraph_misses"] == 0 and c["autograd_misses"] == 0, c
+    # Every lookup the cold run made (a miss, or a hit on a graph it had compiled itself) is a hit now.
+    cc = cold["counters"]
+    assert c["fxgraph_hits"] == cc["fxgraph_misses"] + cc["fxgraph_hits"], (c, cc)
+    assert c["autograd_hits"] == cc["autograd_misses"] + cc["autograd_hits"], (c, cc)
+    ratio = done["seconds"] / cold["seconds"]
+    record_property("compile_seconds_cold", cold["seconds"])
+    record_property("compile_seconds_warm", done["seconds"])
+    print(
+        f"\ncompile time cold {cold['seconds']:.1f} s, warm after restore {done['seconds']:.1f} s, "
+        f"ratio {ratio:.2f}"
+    )
+    assert ratio < 1.0
+
+    # Same fingerprint check with a different job config is refused, listing the field.
+    other = _cli(
+        tmp_path,
+        "cache",
+        "restore",
+        key,
+        "--dest",
+        str(tmp_path / "other"),
+        "--python",
+        sys.executable,
+        "--config",
+        str(CONFIG),
+        "--set",
+        runs,
+        "--set",
+        "train.max_batch_size=4",
+    )
+    assert other.returncode == 1 and "job.shapes" in other.stderr, other.stderr
+    assert not (tmp_path / "other").exists()
