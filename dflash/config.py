@@ -229,7 +229,7 @@ class PipelineConfig:
     nnodes: int = 1
     rdzv_endpoint: str = "127.0.0.1:29400"
     rdzv_id: str = ""
-    """Empty = the run id."""
+    """Empty = run.name: identical on every host (run directories are per host)."""
     slot_mb: int = 0
     """Shared-memory slot size in MiB; 0 = derived from the batch shape."""
 

@@ -176,7 +176,7 @@ class Supervisor:
             f"--max-restarts={self.cfg.pipeline.max_restarts}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.rdzv_endpoint}",
-            f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.run.root.name}",
+            f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.cfg.run.name}",
             "--monitor-interval=0.5",
             "-m",
             "dflash.pipeline.drafter_worker",

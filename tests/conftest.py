@@ -57,3 +57,13 @@ def repo() -> Path:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environ():
+    """Code under test may point inductor at a cache dir through os.environ (use_cache_dir does):
+    restore the environment after each test so later subprocesses do not inherit it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
