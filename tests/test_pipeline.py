@@ -91,8 +91,7 @@ def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
     assert proc.returncode == 0, out
 
     restart = run.read_events("restart")
-    # (gloo on 2 busy cores can fail one reconnect; torchrun's next attempt then succeeds)
-    assert restart and restart[-1]["generation"] >= 1 and restart[-1]["resumed_from"] >= 16
+    assert len(restart) == 1 and restart[0]["generation"] == 1 and restart[0]["resumed_from"] >= 16
     # The target process kept its weights: same pid from launch to the end, started once.
     assert json.loads(run.heartbeat_path("target", 0).read_text())["pid"] == target_pid
     stopped = run.read_events("stopped")[-1]

@@ -40,6 +40,27 @@ class Group:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
+    def init_process_group(self, backend: str) -> None:
+        """Join the group through a store namespace of this generation. torchrun's agent store outlives
+        a restart; without the namespace a restarted rank can read a dead rank's address from the
+        previous generation and fail with "Connection refused" (seen with gloo on every restart)."""
+        from datetime import timedelta
+
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size=self.world,
+            is_master=not agent_store and self.rank == 0,
+            timeout=timedelta(minutes=10),
+        )
+        prefixed = dist.PrefixStore(f"dflash/generation-{self.generation}", store)
+        dist.init_process_group(
+            backend, store=prefixed, rank=self.rank, world_size=self.world, timeout=timedelta(minutes=30)
+        )
+        # Connect every pair now, while the ranks start in step, not at the first collective.
+        dist.barrier()
+
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if self.world == 1:
             return values
@@ -114,10 +135,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if g.world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        # Connect every pair now, while the ranks start in step: gloo gives up after a few refused
-        # connects if one rank reaches its first collective long after another (slow model loads).
-        dist.barrier()
+        g.init_process_group("nccl" if device.type == "cuda" else "gloo")
     worker = f"drafter-{g.rank}"
     _redirect_output(run.log_path("drafter", g.rank))
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()
