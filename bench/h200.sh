@@ -46,8 +46,12 @@ budget() {
 # step NAME SECONDS LOG CMD...: run with a timeout, append output to LOG, record the exit code.
 step() {
   local name=$1 secs=$2 log=$3; shift 3
+  # H200_ONLY="attention compile_cache" runs just those steps; H200_CAP_<name>=S overrides a cap.
+  if [ -n "${H200_ONLY:-}" ] && [[ " $H200_ONLY " != *" $name "* ]]; then STATUS[$name]="skipped"; return; fi
+  local cap_var="H200_CAP_$name"; secs=${!cap_var:-$secs}
   echo "=== $name (timeout ${secs}s, t=${SECONDS}s) ===" | tee -a "$log"
-  timeout --kill-after=15 "$secs" "$@" 2>&1 | tee -a "$log"
+  # A stack dump of every Python thread before the cap runs out says where a slow step is.
+  PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 timeout --signal=ABRT --kill-after=15 "$secs" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   STATUS[$name]="rc=$rc $([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo TIMEOUT)"
   echo "=== $name: rc=$rc at t=${SECONDS}s ===" | tee -a "$log"
