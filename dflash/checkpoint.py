@@ -139,7 +139,8 @@ def load_checkpoint(
     path: Path, map_location: str | torch.device = "cpu"
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(weights, hf_config, trainer_state)."""
-    weights = load_file(str(path / "model.safetensors"), device=str(map_location))
+    weights = {k: v.to(map_location) for k, v in load_file(str(path / "model.safetensors")).items()}
     hf_config = json.loads((path / "config.json").read_text())
-    trainer_state = torch.load(path / "trainer.pt", map_location=map_location, weights_only=False)
+    # Always CPU: RNG states must stay CPU ByteTensors; the optimizer moves its state to the params.
+    trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     return weights, hf_config, trainer_state

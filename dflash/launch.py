@@ -112,6 +112,25 @@ class Proc:
             except ProcessLookupError:
                 pass
 
+    def kill_tree(self) -> None:
+        """SIGKILL the process and every descendant: torchrun starts its workers in sessions of
+        their own, so killing its process group alone would orphan them (holding GPUs)."""
+        import psutil
+
+        if self.popen is None:
+            return
+        try:
+            procs = [psutil.Process(self.popen.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.popen.wait()
+
 
 @dataclass
 class Supervisor:
@@ -125,6 +144,9 @@ class Supervisor:
     targets: list[Proc] = field(default_factory=list)
     drafters: Proc | None = None
     stopping: str = ""
+    stopping_since: float = 0.0
+    stop_grace_s: float = 180.0
+    """After a stop, the drafters get this long to checkpoint and exit before they are killed."""
     signals: int = 0
     metrics_seen: int = 0
 
@@ -140,7 +162,7 @@ class Supervisor:
                 self.drafters.signal(signal.SIGTERM)
         else:
             for p in [*self.targets, *([self.drafters] if self.drafters else [])]:
-                p.signal(signal.SIGKILL)
+                p.kill_tree()
 
     def start(self, queue_name: str) -> None:
         target_devs, _ = _devices(self.cfg)
@@ -225,6 +247,13 @@ class Supervisor:
             code = self.drafters.poll()
             if code is not None:
                 return code
+            if self.stopping:
+                self.stopping_since = self.stopping_since or time.time()
+                if time.time() - self.stopping_since > self.stop_grace_s:
+                    self.run.event(
+                        "forced", detail=f"drafters still running {self.stop_grace_s:.0f} s after the stop"
+                    )
+                    self.drafters.kill_tree()
 
     def shutdown(self, drafter_code: int) -> dict[str, Any]:
         for proc in self.targets:
@@ -233,7 +262,7 @@ class Supervisor:
         for proc in self.targets:
             while proc.poll() is None and time.time() < deadline:
                 time.sleep(0.1)
-            proc.signal(signal.SIGKILL)
+            proc.kill_tree()
         self.echo_metrics()
         if self.stopping:
             return {"reason": self.stopping, "drafter_exit_code": drafter_code}
@@ -247,6 +276,7 @@ class Supervisor:
 
 
 def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> list[str]:
+    # Run directories are per host: checkpoints are written by every host's local rank 0.
     run_dir = args.run_dir or str(Path(cfg.run.runs_root) / cfg.run.name)
     sets = [a for o in args.overrides for a in ("--set", o)]
     return [
@@ -258,7 +288,7 @@ def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -
                 args.config,
                 *sets,
                 "--run-dir",
-                run_dir,
+                f"{run_dir}-node{i}",
                 "--nnodes",
                 str(nnodes),
                 "--node-rank",
@@ -283,6 +313,11 @@ def launch(args: argparse.Namespace) -> int:
     endpoint = args.rdzv_endpoint or (
         cfg.pipeline.rdzv_endpoint if nnodes > 1 else f"127.0.0.1:{_free_port()}"
     )
+    if nnodes > 1 and cfg.train.keep_last < 2:
+        raise DFlashError(
+            "train.keep_last must be >= 2 with several hosts: a restarted group resumes from the "
+            "newest step every host still holds, which can be one behind on some hosts"
+        )
     if args.plan:
         print("\n".join(plan(cfg, args, nnodes, endpoint)))
         return 0
@@ -300,11 +335,13 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, sup.on_signal)
     try:
         sup.start(name)
+        if sup.stopping and sup.drafters:  # a signal arrived while the workers were starting
+            sup.drafters.signal(signal.SIGTERM)
         code = sup.watch()
         outcome = sup.shutdown(code)
     finally:
         for p in [*sup.targets, *([sup.drafters] if sup.drafters else [])]:
-            p.signal(signal.SIGKILL)
+            p.kill_tree()
         stats = queue.stats()
         queue.close()
         queue.unlink()

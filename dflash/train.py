@@ -77,6 +77,7 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     trainer, batches = job.trainer, job.batches
     meter = job.new_meter()
     last_status = time.time()
+    failure: BaseException | None = None
     try:
         while trainer.step < cfg.train.total_steps and not stop.requested:
             tgt_hb.set("computing")
@@ -97,9 +98,15 @@ def train(cfg: JobConfig, run: RunDir) -> int:
             if trainer.step % cfg.train.checkpoint_every == 0 or trainer.step == cfg.train.total_steps:
                 dft_hb.set("checkpointing")
                 job.save_checkpoint()
+    except BaseException as e:
+        failure = e
+        raise
     finally:
-        reason = f"signal {stop.signal_name}" if stop.requested else "completed"
-        if stop.requested and trainer.step > 0:
+        if failure is not None and not isinstance(failure, SystemExit):
+            reason = f"failed: {type(failure).__name__}: {failure}"
+        else:
+            reason = f"signal {stop.signal_name}" if stop.requested else "completed"
+        if stop.requested and failure is None and trainer.step > 0:
             dft_hb.set("checkpointing")
             job.save_checkpoint()
         tgt_hb.stop()

@@ -49,3 +49,24 @@ def test_torn_checkpoints_are_ignored(tmp_path):
     assert {p.name for p in found.torn} == {".tmp-step-30-abc", "step-40"}
     os.remove(torn / "meta.json")
     assert find_latest(tmp_path).path == good
+
+
+def test_trainer_state_loads_on_cpu_whatever_the_weights_device(tmp_path):
+    """RNG states must come back as CPU ByteTensors (set_rng_state refuses anything else), also when
+    the weights are loaded straight onto a GPU; 'meta' stands in for the device here."""
+    from dflash.checkpoint import rng_state, set_rng_state
+
+    gen = torch.Generator().manual_seed(3)
+    save_checkpoint(
+        tmp_path,
+        1,
+        weights={"w": torch.ones(2)},
+        hf_config={},
+        trainer_state={"rng": rng_state(), "anchor_gen": gen.get_state()},
+        keep_last=1,
+    )
+    weights, _, state = load_checkpoint(tmp_path / "step-1", map_location="meta")
+    assert weights["w"].device.type == "meta"
+    assert state["anchor_gen"].device.type == "cpu"
+    torch.Generator().set_state(state["anchor_gen"])
+    set_rng_state(state["rng"])

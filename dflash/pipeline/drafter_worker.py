@@ -135,7 +135,8 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if g.world > 1:
-        g.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The control collectives (stop agreement, resume step) use CPU tensors: gloo carries them.
+        g.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     worker = f"drafter-{g.rank}"
     _redirect_output(run.log_path("drafter", g.rank))
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()
@@ -170,28 +171,35 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         writes_checkpoints = g.local_rank == 0
         total = cfg.train.total_steps
         log_batches = os.environ.get("DFLASH_LOG_BATCHES") == "1"
+        lease, stopped = None, False
         while trainer.step < total:
-            # Every rank must agree to stop at the same step, or the next all-reduce hangs.
-            if g.all_reduce([1.0 if stop.is_set() else 0.0], "max")[0] > 0:
+            # Ranks step together or not at all: each first holds a batch (or times out waiting), then
+            # all agree whether to stop and whether everyone has a batch. A rank that broke out alone
+            # would leave the others hanging in DDP's gradient all-reduce.
+            if lease is None:
+                hb.set("waiting_input")
+                lease = hs.get(device=device, timeout=0.5, on_wait=lambda: hb.set("waiting_input"))
+            stop_any, missing_any = g.all_reduce([float(stop.is_set()), float(lease is None)], "max")
+            if stop_any > 0:
+                stopped = True  # a held lease is handed back by the queue once this process is gone
                 break
-            hb.set("waiting_input")
-            lease = hs.get(device=device, timeout=None, stop=stop, on_wait=lambda: hb.set("waiting_input"))
-            if lease is None:  # stopped while waiting (e.g. the targets are gone)
-                break
+            if missing_any > 0 or lease is None:
+                continue
             t = lease.tensors
             hb.set("compiling" if side.compiles.is_new(tuple(t["input_ids"].shape)) else "computing")
             result = side.step(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"])
             hs.ack(lease)
+            done_lease, lease = lease, None
             if log_batches:
                 run.event(
                     "batch",
                     worker=worker,
                     step=trainer.step,
                     generation=g.generation,
-                    target=lease.meta.get("target"),
-                    batch=lease.meta.get("batch"),
-                    seq=lease.seq,
-                    deliveries=lease.deliveries,
+                    target=done_lease.meta.get("target"),
+                    batch=done_lease.meta.get("batch"),
+                    seq=done_lease.seq,
+                    deliveries=done_lease.deliveries,
                 )
             meter.add_step(result)
             hb.set("computing", progress=True, step=trainer.step)
@@ -204,7 +212,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                     step=trainer.step,
                     q_pre=_target_q_pre(run, cfg.pipeline.targets),
                     q_hs=[hs.depth()],
-                    epoch=float(lease.meta.get("epoch", 0.0)),
+                    epoch=float(done_lease.meta.get("epoch", 0.0)),
                     compile=compile_counters(),
                     gpu_mem_gb=gpu_mem_gb(device, worker),
                     extra={
@@ -222,7 +230,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                     side.checkpoint({}, {})
                 if g.world > 1:
                     dist.barrier()
-        if stop.is_set() and writes_checkpoints and trainer.step > 0:
+        if stopped and writes_checkpoints and trainer.step > 0:
             hb.set("checkpointing")
             side.checkpoint({}, {})
         if g.rank == 0:
@@ -230,7 +238,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
             run.event(
                 "drafters_done",
                 step=trainer.step,
-                stopped_by_signal=stop.is_set(),
+                stopped_by_signal=stopped,
                 queue={k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")},
             )
         hs.close()
