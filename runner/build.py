@@ -219,11 +219,20 @@ def verify_labels(plan: BuildPlan, labels: dict[str, str]) -> None:
         )
 
 
+def alias_latest(plan: BuildPlan) -> None:
+    """Point `dflash:<variant>[-runner]` at this build: the name `--variant V` resolves to elsewhere
+    (warm-cache, cache restore). The content-addressed tag stays the record of what was built."""
+    from runner.remote import run
+
+    run(plan.host, ["docker", "tag", plan.tag, plan.tag.rsplit("-", 1)[0]])
+
+
 def apply_image(plan: BuildPlan, root: Path, *, on_line: Callable[[str], None]) -> BuildResult:
     docker.ensure_engine(plan.host)
     if docker.image_exists(plan.host, plan.tag):
         labels = docker.image_labels(plan.host, plan.tag)
         verify_labels(plan, labels)
+        alias_latest(plan)
         return BuildResult(
             tag=plan.tag, status="exists", image_id=docker.image_id(plan.host, plan.tag), labels=labels
         )
@@ -233,6 +242,7 @@ def apply_image(plan: BuildPlan, root: Path, *, on_line: Callable[[str], None]) 
         docker.stream(plan.host, plan.command, stdin_path=context, on_line=on_line)
     labels = docker.image_labels(plan.host, plan.tag)
     verify_labels(plan, labels)
+    alias_latest(plan)
     return BuildResult(
         tag=plan.tag, status="built", image_id=docker.image_id(plan.host, plan.tag), labels=labels
     )

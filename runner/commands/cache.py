@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -180,8 +181,11 @@ def restore_cmd(
         bool, typer.Option(help="Accept an unsigned or wrongly signed artifact from elsewhere.")
     ] = False,
     python: Annotated[
-        str, typer.Option(help="Interpreter of the environment that will use the cache.")
-    ] = "python3",
+        str | None,
+        typer.Option(
+            help="Interpreter of the environment that will use the cache (default: dflashctl's own)."
+        ),
+    ] = None,
     image: Annotated[
         str | None, typer.Option(help="...or a container image holding that environment.")
     ] = None,
@@ -196,7 +200,7 @@ def restore_cmd(
     """Verify an artifact, check it against the destination environment, and swap it in safely."""
     with cli_errors():
         st = Store(store)
-        env = JobEnv(python=python, image=image)
+        env = JobEnv(python=python or (sys.executable if image is None else "python3"), image=image)
         cfg_arg = None
         if config is not None:
             cfg_arg = str(config.resolve())

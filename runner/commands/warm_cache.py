@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
         python: Annotated[
             str | None,
             typer.Option(
-                help="Interpreter of the job environment (default python3; inside the image with --image)."
+                help="Interpreter of the job environment (default: dflashctl's own here; python3 on --host or in --image)."
             ),
         ] = None,
         image: Annotated[str | None, typer.Option(help="Run in this container image.")] = None,
@@ -84,7 +84,9 @@ def register(app: typer.Typer) -> None:
                 from runner.envs import load_variant
 
                 image = variant_image(load_variant(variant).name)
-            env = JobEnv(python=python or "python3", host=host, image=image)
+            # Locally the default job environment is dflashctl's own; on a host or in an image, python3.
+            local = host is None and image is None
+            env = JobEnv(python=python or (sys.executable if local else "python3"), host=host, image=image)
             if image:
                 env.gpus = _wants_gpu(config, host)
             result = warm_cache(
