@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from jobs import start_job
+
 from dflash.rundir import RunDir
 
 COMMON = [
@@ -35,25 +37,7 @@ def _launch(
     *extra: str,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dflash.launch",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"run.runs_root={tmp}",
-            *COMMON,
-            *extra,
-        ],
-        cwd=repo,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+    return start_job("dflash.launch", repo, tmp, run_dir, *COMMON, *extra, env=env)
 
 
 def _wait_for(pred, timeout: float, proc: subprocess.Popen[str]) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import start_job
 
 from dflash.rundir import RunDir, parse_status_line
 
@@ -27,24 +28,7 @@ FAST = [
 
 
 def _train(repo: Path, runs: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dflash.train",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"run.runs_root={runs}",
-            *FAST,
-            *extra,
-        ],
-        cwd=repo,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_job("dflash.train", repo, runs, run_dir, *FAST, *extra)
 
 
 def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
