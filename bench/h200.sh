@@ -37,6 +37,7 @@ else
   GPU=0; TINY=(--tiny); echo "no GPU: running the tiny CPU variants instead"
 fi
 
+# H200_PIPELINE_ARGS: extra bench/pipeline.py flags, e.g. "--target-compile".
 # budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
 budget() {
   local left=$(( TOTAL_S - SECONDS - ${2:-0} ))
@@ -116,7 +117,7 @@ step compile_cache "$(budget 85 "$PIPELINE_MIN_S")" "$OUT/cache.log" \
 # (e) the pipeline benchmark gets what is left; it shortens its end-to-end run to fit --budget-s.
 PIPE_S=$(budget 9999)
 step pipeline "$PIPE_S" "$OUT/pipeline.log" \
-  "$PY" bench/pipeline.py "${TINY[@]}" --work "$WORK" --budget-s $((PIPE_S - 20)) --out "$OUT/pipeline.json"
+  "$PY" bench/pipeline.py "${TINY[@]}" --work "$WORK" --budget-s $((PIPE_S - 20)) --out "$OUT/pipeline.json" ${H200_PIPELINE_ARGS:-}
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="

@@ -90,6 +90,11 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--records", type=int, default=512, help="data records (each truncated to --seq-len)")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument(
+        "--target-compile",
+        action="store_true",
+        help="compile the target's decoder layers (target.compile = true) in every phase",
+    )
     args = ap.parse_args()
     if args.tiny:
         args.seq_len, args.iters, args.drafter_steps, args.warmup = 256, 3, 3, 1
@@ -257,7 +262,9 @@ def bench_target(
     from dflash.target import TargetCapture
 
     t0 = time.perf_counter()
-    target = TargetCapture(str(target_dir), layer_ids, dtype=dtype, device=torch.device(device))
+    target = TargetCapture(
+        str(target_dir), layer_ids, dtype=dtype, device=torch.device(device), compile=args.target_compile
+    )
     load_s = time.perf_counter() - t0
     seq_lens_B = torch.full((ids_BL.shape[0],), ids_BL.shape[1], device=device)
 
@@ -267,6 +274,7 @@ def bench_target(
     sec = timed(forward, warmup=args.warmup, iters=args.iters, device=device)
     res = {
         "layer_ids": layer_ids,
+        "compiled": args.target_compile,
         "layers_loaded": max(layer_ids) + 1,
         "load_s": round(load_s, 1),
         "step_ms": sec * 1000,
@@ -432,6 +440,7 @@ def job_overrides(
         "pipeline.max_restarts=0",
         "run.status_interval_s=5",
         f"run.runs_root={work / 'runs'}",
+        f"target.compile={'true' if args.target_compile else 'false'}",
     ]
     if args.tiny:
         sets += [

@@ -47,6 +47,8 @@ class TargetConfig:
     in the run directory (the CPU demo and tests) and loads it through the same path."""
     dtype: str = "bfloat16"
     """Weights dtype: bfloat16 | float16 | float32."""
+    compile: bool = False
+    """torch.compile each decoder layer of the target (regional; one graph per length bucket)."""
     tiny_layers: int = 8
     """Layers of the `tiny` target."""
     tiny_hidden: int = 64

@@ -285,6 +285,7 @@ class Job:
             self.drafter.spec.target_layer_ids,
             dtype=torch_dtype(cfg.target.dtype),
             device=self.device,
+            compile=cfg.target.compile,
         )
         self.batcher = make_batcher(cfg, parts.dataset)
         self.drafter.resume()

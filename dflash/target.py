@@ -68,7 +68,15 @@ class TargetCapture:
     """Frozen target returning only the hidden states of `layer_ids` (output of decoder layer i, 0-based,
     before the final norm), concatenated in layer_ids order: [B, L, k*H]."""
 
-    def __init__(self, path: str, layer_ids: list[int], *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        path: str,
+        layer_ids: list[int],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        compile: bool = False,
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -110,6 +118,9 @@ class TargetCapture:
         layers = _decoder_layers(base, keep)
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(self._make_hook(slot))
+        if compile:  # regional: identical layers share one graph; the capture hooks run outside it
+            for layer in layers:
+                layer.compile(dynamic=False)
 
     def _make_hook(self, slot: int):  # noqa: ANN202 - a torch hook
         h = self.hidden_size
@@ -126,7 +137,12 @@ class TargetCapture:
         B, L = input_ids_BL.shape
         input_ids_BL = input_ids_BL.to(self.device)
         positions_L = torch.arange(L, device=self.device)
-        attention_mask_BL = (positions_L[None, :] < seq_lens_B.to(self.device)[:, None]).long()
+        attention_mask_BL: torch.Tensor | None = (
+            positions_L[None, :] < seq_lens_B.to(self.device)[:, None]
+        ).long()
+        if bool(attention_mask_BL.all()):
+            # No padding: a plain causal mask lets SDPA take its flash kernel instead of a masked one.
+            attention_mask_BL = None
         position_ids_BL = positions_L[None, :].expand(B, L)
         out = torch.empty(B, L, len(self.layer_ids) * self.hidden_size, dtype=self.dtype, device=self.device)
         self._out = out

@@ -142,3 +142,17 @@ def test_capture_on_cuda_matches_cpu(tiny: Path) -> None:
     assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
     for row, n in enumerate(lens.tolist()):
         torch.testing.assert_close(gpu[row, :n].float().cpu(), cpu[row, :n], rtol=0.05, atol=0.05)
+
+
+def test_compiled_capture_matches_eager(tiny: Path) -> None:
+    """target.compile = true compiles each decoder layer (real torch.compile on CPU): same states,
+    padded batch and unpadded batch (the latter takes the plain causal path)."""
+    eager = TargetCapture(str(tiny), [1, 3], dtype=torch.float32, device=torch.device("cpu"))
+    compiled = TargetCapture(str(tiny), [1, 3], dtype=torch.float32, device=torch.device("cpu"), compile=True)
+    torch.manual_seed(1)
+    ids_BL = torch.randint(0, 300, (2, 16))
+    for lens in ([16, 9], [16, 16]):
+        want = eager(ids_BL, torch.tensor(lens))
+        got = compiled(ids_BL, torch.tensor(lens))
+        for row, n in enumerate(lens):
+            torch.testing.assert_close(got[row, :n], want[row, :n], rtol=1e-4, atol=1e-4)

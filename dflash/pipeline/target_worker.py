@@ -120,7 +120,11 @@ def run_target(
 
         spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
         target = TargetCapture(
-            parts.target_path, spec.target_layer_ids, dtype=torch_dtype(cfg.target.dtype), device=device
+            parts.target_path,
+            spec.target_layer_ids,
+            dtype=torch_dtype(cfg.target.dtype),
+            device=device,
+            compile=cfg.target.compile,
         )
         hs = HiddenStateQueue.attach(queue_name)
         pre = Prefetcher(cfg, batcher, cfg.pipeline.prefetch_depth, stop)
