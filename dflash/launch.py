@@ -28,7 +28,7 @@ from typing import Any
 
 from dflash.config import JobConfig, load_config
 from dflash.errors import DFlashError
-from dflash.rundir import RunDir, format_status_line, read_jsonl
+from dflash.rundir import RunDir, format_status_line, read_jsonl_from
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -148,7 +148,7 @@ class Supervisor:
     stop_grace_s: float = 180.0
     """After a stop, the drafters get this long to checkpoint and exit before they are killed."""
     signals: int = 0
-    metrics_seen: int = 0
+    metrics_offset: int = 0
 
     def worker_args(self) -> list[str]:
         sets = [a for o in self.overrides for a in ("--set", o)]
@@ -221,10 +221,9 @@ class Supervisor:
         )
 
     def echo_metrics(self) -> None:
-        records = list(read_jsonl(self.run.metrics))
-        for rec in records[self.metrics_seen :]:
+        records, self.metrics_offset = read_jsonl_from(self.run.metrics, self.metrics_offset)
+        for rec in records:
             print(format_status_line(rec), flush=True)
-        self.metrics_seen = len(records)
 
     def watch(self) -> int:
         assert self.drafters is not None
@@ -302,11 +301,8 @@ def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -
 
 
 def launch(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    from dflash.model import resolve_spec
     from dflash.pipeline.transport import HiddenStateQueue, name_for_run
-    from dflash.session import open_run_dir, prepare_data, torch_dtype
+    from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes or cfg.pipeline.nnodes
@@ -323,7 +319,7 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
-    spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+    spec = resolve_drafter_spec(cfg, parts)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     elem = torch_dtype(cfg.target.dtype).itemsize
     name = f"{name_for_run(run.root)}-n{args.node_rank}"

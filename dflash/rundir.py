@@ -80,6 +80,25 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 continue
 
 
+def read_jsonl_from(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Complete records appended since byte `offset`, and the offset to continue from: a tail that
+    re-reads nothing (a torn last line is left for the next call)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records, offset + end
+
+
 def _clean(x: Any) -> Any:
     """JSON has no NaN/inf: they become null."""
     if isinstance(x, float) and not math.isfinite(x):

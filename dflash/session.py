@@ -125,6 +125,15 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
     return DataParts(tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path)
 
 
+def resolve_drafter_spec(cfg: JobConfig, parts: DataParts) -> Any:
+    """The drafter's resolved sizes and target layers, from the target's config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from dflash.model import resolve_spec
+
+    return resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
@@ -213,9 +222,18 @@ class DrafterSide:
     def _on_degraded(self, kind: str, detail: str) -> None:
         self.run.event("degraded", worker=self.worker, kind=kind, detail=detail)
 
+    def load(self, path: Path) -> dict[str, Any]:
+        """Weights, optimizer, scheduler and step from a checkpoint; returns its saved state."""
+        from dflash.checkpoint import load_checkpoint
+
+        weights, _, state = load_checkpoint(path, map_location=self.device)
+        self.trainer.load_state_dict(state["trainer"], weights)
+        self.resumed_from = self.trainer.step
+        return state
+
     def resume(self) -> None:
         """Load the newest complete checkpoint, if any (torn ones are reported and skipped)."""
-        from dflash.checkpoint import find_latest, load_checkpoint, set_rng_state
+        from dflash.checkpoint import find_latest, set_rng_state
 
         found = find_latest(self.run.checkpoints)
         for p in found.torn:
@@ -225,13 +243,11 @@ class DrafterSide:
                 )
         if found.path is None:
             return
-        weights, _, state = load_checkpoint(found.path, map_location=self.device)
-        self.trainer.load_state_dict(state["trainer"], weights)
+        state = self.load(found.path)
         rngs = state.get("rng", {})
         if str(self.rank) in rngs:
             set_rng_state(rngs[str(self.rank)])
         self.data_state = state.get("data", {}).get(str(self.rank))
-        self.resumed_from = self.trainer.step
 
     def step(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor
@@ -271,9 +287,8 @@ class Job:
 
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
         from dflash.target import TargetCapture
-        from dflash.trainer import pad_rows, resolve_device, rows_for_length
+        from dflash.trainer import resolve_device
 
-        self._pad_rows, self._rows_for_length = pad_rows, rows_for_length
         self.cfg, self.run = cfg, run
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.run.seed)
@@ -308,20 +323,8 @@ class Job:
 
         return Meter(total_steps=self.cfg.train.total_steps)
 
-    def _padded(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = self._rows_for_length(self.cfg, batch.input_ids_BL.shape[1])
-        return self._pad_rows(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
-
-    def first_step_pending(self, batch: Any) -> bool:
-        return self.drafter.compiles.is_new(tuple(self._padded(batch)[0].shape))
-
-    def target_forward(self, batch: Any) -> torch.Tensor:
-        ids, _, lens = self._padded(batch)
+    def target_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         return self.target(ids.to(self.device), lens.to(self.device))
-
-    def drafter_step(self, batch: Any, hidden: torch.Tensor) -> Any:
-        ids, mask, lens = self._padded(batch)
-        return self.drafter.step(ids, mask, lens, hidden)
 
     def emit_metrics(self, meter: Any, *, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
         from dflash.kernels import compile_counters

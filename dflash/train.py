@@ -17,7 +17,7 @@ from typing import Any
 
 from dflash.config import JobConfig, load_config
 from dflash.errors import DFlashError
-from dflash.rundir import Heartbeat, RunDir, format_status_line
+from dflash.rundir import Heartbeat, RunDir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: JobConfig, run: RunDir) -> int:
     from dflash import session
+    from dflash.trainer import pad_batch
 
     stop = StopFlag()
     stop.install()
@@ -81,12 +82,12 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     try:
         while trainer.step < cfg.train.total_steps and not stop.requested:
             tgt_hb.set("computing")
-            batch = next(batches)
-            hidden = job.target_forward(batch)
+            ids, mask, lens = pad_batch(cfg, next(batches))
+            hidden = job.target_forward(ids, lens)
             meter.add_target()
             tgt_hb.set("waiting_output", progress=True)
-            dft_hb.set("compiling" if job.first_step_pending(batch) else "computing")
-            result = job.drafter_step(batch, hidden)
+            dft_hb.set("compiling" if job.drafter.compiles.is_new(tuple(ids.shape)) else "computing")
+            result = job.drafter.step(ids, mask, lens, hidden)
             meter.add_step(result)
             dft_hb.set("computing", progress=True, step=trainer.step)
             if (
@@ -114,10 +115,6 @@ def train(cfg: JobConfig, run: RunDir) -> int:
         run.event("stopped", reason=reason, step=trainer.step)
     print(f"run directory: {run.root}", flush=True)
     return 0
-
-
-def print_status(rec: dict[str, Any]) -> None:
-    print(format_status_line(rec), flush=True)
 
 
 if __name__ == "__main__":

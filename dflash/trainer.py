@@ -17,16 +17,15 @@ import torch
 from torch import nn
 
 from dflash.config import JobConfig
+from dflash.errors import ConfigError, DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
-from dflash.objective import block_labels, dflash_loss, sample_anchors
+from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
 
 
 def resolve_device(cfg: JobConfig) -> torch.device:
     if cfg.run.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
-        from dflash.errors import ConfigError
-
         raise ConfigError("run.device", "is cuda but no CUDA device is visible; use cpu or auto")
     return torch.device(cfg.run.device)
 
@@ -37,8 +36,6 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex" and device.type == "cpu":
-        from dflash.errors import ConfigError
-
         raise ConfigError(
             "attention.backend", "flex cannot train on CPU (no backward there); use sdpa or auto"
         )
@@ -68,6 +65,12 @@ def pad_rows(
         torch.cat([loss_mask_BL, loss_mask_BL.new_zeros(extra, L)]),
         torch.cat([seq_lens_B, seq_lens_B.new_zeros(extra)]),
     )
+
+
+def pad_batch(cfg: JobConfig, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask, seq_lens) of a data batch, padded to its length bucket's fixed row count."""
+    rows = rows_for_length(cfg, batch.input_ids_BL.shape[1])
+    return pad_rows(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
 
 
 def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
@@ -234,8 +237,6 @@ class DrafterTrainer:
         trainable = set(self.model.trainable_state_dict())
         really_missing = [k for k in missing if k in trainable]
         if really_missing or unexpected:
-            from dflash.errors import DFlashError
-
             raise DFlashError(
                 f"checkpoint does not match the drafter: missing {really_missing[:5]}, "
                 f"unexpected {list(unexpected)[:5]}; was it written with another drafter config?"
@@ -294,8 +295,6 @@ class Meter:
         now = time.time()
         dt = max(1e-6, now - self.interval_start)
         acc_pos = [s / n if n else None for s, n in zip(self.acc_pos_sum, self.acc_pos_n, strict=True)]
-        from dflash.objective import expected_streak
-
         streak = expected_streak([a if a is not None else math.nan for a in acc_pos]) if acc_pos else None
         dft_bps = self.steps / dt
         rec: dict[str, Any] = {

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner import docker
+from runner.cache.canonical import sha256_file
 from runner.envs import Variant, tomllib
 from runner.errors import RunnerError
 from runner.lock import check_lock, uv_binary
@@ -90,14 +91,6 @@ def _source_files(root: Path, variant: Variant) -> list[str]:
     return files
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def project_version(root: Path) -> str:
     return str(tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"])
 
@@ -131,7 +124,7 @@ def plan_image(
     digest = hashlib.sha256(
         json.dumps(
             {
-                "files": {f: _sha256(root / f) for f in files},
+                "files": {f: sha256_file(root / f)[0] for f in files},
                 "build_args": build_args,
             },
             sort_keys=True,

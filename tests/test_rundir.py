@@ -61,3 +61,20 @@ def test_heartbeat_rewritten_while_blocked(tmp_path):
     assert not list(run.workers.glob(".*.tmp"))  # no temp files left behind
     with pytest.raises(ValueError):
         hb.set("sleeping")
+
+
+def test_read_jsonl_from_tails_without_rereading(tmp_path):
+    from dflash.rundir import append_jsonl, read_jsonl_from
+
+    path = tmp_path / "m.jsonl"
+    assert read_jsonl_from(path, 0) == ([], 0)
+    append_jsonl(path, {"step": 1})
+    recs, off = read_jsonl_from(path, 0)
+    assert recs == [{"step": 1}]
+    with open(path, "a") as f:
+        f.write('{"step": 2')  # a writer mid-line
+    recs, off2 = read_jsonl_from(path, off)
+    assert recs == [] and off2 == off
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert read_jsonl_from(path, off2)[0] == [{"step": 2}]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import JobConfig, load_config
-from dflash.rundir import Heartbeat, RunDir, format_status_line, read_jsonl
+from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 
 class Group:
@@ -148,10 +148,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         side = DrafterSide(cfg, run, parts, device, rank=g.rank, world_size=g.world, worker=worker)
         step = _resume_step(side, g)
         if step >= 0:
-            from dflash.checkpoint import load_checkpoint
-
-            weights, _, state = load_checkpoint(run.checkpoints / f"step-{step}", map_location=device)
-            side.trainer.load_state_dict(state["trainer"], weights)
+            side.load(run.checkpoints / f"step-{step}")
         hs = HiddenStateQueue.attach(queue_name)
         reclaimed = hs.register_consumer(g.generation)
         if g.rank == 0:
@@ -252,11 +249,6 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         hb.stop()
         if g.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def delivered_batches(run: RunDir) -> list[dict[str, Any]]:
-    """The `batch` events (DFLASH_LOG_BATCHES=1): which batch each step trained on."""
-    return [e for e in read_jsonl(run.events) if e.get("event") == "batch"]
 
 
 if __name__ == "__main__":

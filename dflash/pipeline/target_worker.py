@@ -23,6 +23,7 @@ import torch
 
 from dflash.config import JobConfig, load_config
 from dflash.rundir import Heartbeat, RunDir, atomic_write_json
+from dflash.trainer import pad_batch
 
 
 def data_state_path(run: RunDir, index: int) -> Path:
@@ -33,9 +34,6 @@ class Prefetcher:
     """Fills a bounded queue of padded CPU batches from this target's data shard."""
 
     def __init__(self, cfg: JobConfig, batcher: Any, depth: int, stop: threading.Event) -> None:
-        from dflash.trainer import pad_rows, rows_for_length
-
-        self._pad, self._rows = pad_rows, rows_for_length
         self.cfg, self.batcher, self.stop = cfg, batcher, stop
         self.q: queue.Queue[tuple[dict[str, torch.Tensor], dict[str, Any]]] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
@@ -44,8 +42,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for batch in self.batcher:
-                rows = self._rows(self.cfg, batch.input_ids_BL.shape[1])
-                ids, mask, lens = self._pad(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
+                ids, mask, lens = pad_batch(self.cfg, batch)
                 item = (
                     {"input_ids": ids, "loss_mask": mask, "seq_lens": lens},
                     {
@@ -100,9 +97,8 @@ def run_target(
     """data_world: target workers over all hosts; worker `index` reads shard `index` of data_world."""
     import json
 
-    from dflash.model import resolve_spec
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.session import make_batcher, prepare_data, torch_dtype
+    from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
     device = torch.device(device_name)
@@ -116,9 +112,7 @@ def run_target(
         if state_path.exists():
             batcher.load_state_dict(json.loads(state_path.read_text()))
         hb.set("computing", note="loading target")
-        from transformers import AutoConfig
-
-        spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+        spec = resolve_drafter_spec(cfg, parts)
         target = TargetCapture(
             parts.target_path,
             spec.target_layer_ids,
