@@ -232,11 +232,13 @@ class PipelineConfig:
     rdzv_endpoint: str = "127.0.0.1:29400"
     rdzv_id: str = ""
     """Empty = run.name: identical on every host (run directories are per host)."""
+    rdzv_timeout_s: int = 600
+    """How long the drafter group waits for every host to join before it fails with an error."""
     slot_mb: int = 0
     """Shared-memory slot size in MiB; 0 = derived from the batch shape."""
 
     def __post_init__(self) -> None:
-        for name in ("targets", "drafters", "prefetch_depth", "queue_depth", "nnodes"):
+        for name in ("targets", "drafters", "prefetch_depth", "queue_depth", "nnodes", "rdzv_timeout_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"pipeline.{name}", "must be >= 1")
         if self.max_restarts < 0:

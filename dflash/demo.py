@@ -4,12 +4,15 @@ paths as a real run (AutoTokenizer, AutoModelForCausalLM, safetensors)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash.errors import DFlashError
@@ -196,9 +199,6 @@ def make_tiny_target(
 ) -> Path:
     """A tiny random Qwen3ForCausalLM + tokenizer saved in the HF format (bf16 safetensors). Reused when
     a complete one with the same parameters exists; built in a temp dir and renamed into place."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     path = Path(path)
     if layers < 1 or hidden < 16 or hidden % 16:
         raise DFlashError(
@@ -213,6 +213,32 @@ def make_tiny_target(
     }
     if _tiny_complete(path, spec):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Launches sharing a runs root (several hosts' launchers on one machine, a test, a rerun) build it
+    # once: the others wait on the lock and then find it complete. Without the lock a late builder
+    # would swap the directory out from under a process that is already loading it.
+    with _exclusive(path.parent / f".{path.name}.lock"):
+        if _tiny_complete(path, spec):
+            return path
+        _build_tiny_target(path, spec, layers=layers, hidden=hidden, seed=seed, tie_embeddings=tie_embeddings)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _build_tiny_target(
+    path: Path, spec: dict[str, int | bool], *, layers: int, hidden: int, seed: int, tie_embeddings: bool
+) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = build_tiny_tokenizer()
     vocab = -(-len(tok) // 64) * 64  # padded like real checkpoints: the embedding is larger than len(tok)
@@ -234,7 +260,6 @@ def make_tiny_target(
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
@@ -245,12 +270,6 @@ def make_tiny_target(
             aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
             os.replace(path, aside / "old")
             shutil.rmtree(aside, ignore_errors=True)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            # Another process finished first; use theirs if it is what we wanted.
-            if not _tiny_complete(path, spec):
-                raise
+        os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return path

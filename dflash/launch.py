@@ -132,6 +132,15 @@ class Proc:
         self.popen.wait()
 
 
+def _tail(path: Path, size: int = 65536) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 @dataclass
 class Supervisor:
     cfg: JobConfig
@@ -199,6 +208,7 @@ class Supervisor:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.rdzv_endpoint}",
             f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.cfg.run.name}",
+            f"--rdzv-conf=join_timeout={self.cfg.pipeline.rdzv_timeout_s}",
             "--monitor-interval=0.5",
             "-m",
             "dflash.pipeline.drafter_worker",
@@ -267,6 +277,14 @@ class Supervisor:
             return {"reason": self.stopping, "drafter_exit_code": drafter_code}
         if drafter_code == 0:
             return {"reason": "completed", "drafter_exit_code": 0}
+        if self.drafters and "RendezvousTimeoutError" in _tail(self.drafters.log):
+            return {
+                "reason": f"the drafter group did not form: not all {self.nnodes} hosts joined the "
+                f"rendezvous at {self.rdzv_endpoint} within pipeline.rdzv_timeout_s="
+                f"{self.cfg.pipeline.rdzv_timeout_s}; start every host's command (see --plan) with the "
+                "same config and endpoint, or raise the timeout",
+                "drafter_exit_code": drafter_code,
+            }
         return {
             "reason": f"drafter group failed (exit code {drafter_code}) after up to "
             f"{self.cfg.pipeline.max_restarts} restarts; see logs/drafter-*.log",

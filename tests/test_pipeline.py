@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import start_job
+from jobs import finish_all, start_job
 
 from dflash.rundir import RunDir
 
@@ -121,11 +121,17 @@ def test_two_launches_form_one_drafter_group(repo, tmp_path):
                 "train.total_steps=12",
                 "--set",
                 "train.checkpoint_every=6",
+                "--set",
+                "pipeline.rdzv_timeout_s=120",
             )
         )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out
+    outs = finish_all(procs, timeout=300)
+    for node, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        logs = "".join(
+            f"\n--- {f.name}\n{f.read_text()[-3000:]}"
+            for f in sorted((tmp_path / f"host{node}" / "logs").glob("*.log"))
+        )
+        assert p.returncode == 0, f"host {node} exited {p.returncode}:\n{out}{logs}"
     for node in (0, 1):
         run = RunDir(tmp_path / f"host{node}")
         assert run.read_events("stopped")[-1]["reason"] == "completed"
@@ -190,3 +196,24 @@ def test_target_death_stops_job_cleanly(repo, tmp_path):
     assert stopped["reason"].startswith("target-0 died")
     assert run.read_events("worker_died")[0]["worker"] == "target-0"
     assert run.read_events("checkpoint"), "the drafters saved a final checkpoint"
+
+
+def test_missing_host_fails_with_a_clear_reason(repo, tmp_path):
+    """One of two hosts never starts: the group gives up after rdzv_timeout_s and says why."""
+    proc = _launch(
+        repo,
+        tmp_path,
+        tmp_path / "host0",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--set",
+        "pipeline.rdzv_timeout_s=8",
+    )
+    out = finish_all([proc], timeout=180)[0]
+    assert proc.returncode == 1, out
+    reason = RunDir(tmp_path / "host0").read_events("stopped")[-1]["reason"]
+    assert "did not form" in reason and "rdzv_timeout_s=8" in reason, reason

@@ -51,7 +51,24 @@ def test_make_tiny_target_is_idempotent_and_rebuilds_on_change(tmp_path: Path) -
     assert weights.stat().st_mtime_ns == stamp
     make_tiny_target(tmp_path / "t", layers=3)
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no temp or aside dirs left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".t.lock", "t"]  # no temp or aside dirs left
+
+
+def _build_and_report_inode(path: str) -> int:
+    built = make_tiny_target(Path(path), layers=1, hidden=32)
+    return (built / "model.safetensors").stat().st_ino
+
+
+def test_concurrent_builders_share_one_tiny_target(tmp_path: Path) -> None:
+    """Launchers sharing a runs root start together: one builds, the others wait and use that build.
+    (Before the lock a late builder swapped the directory out under a process already loading it.)"""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        inodes = pool.map(_build_and_report_inode, [str(tmp_path / "t")] * 3)
+    assert len(set(inodes)) == 1, "every builder saw the same, single build"
+    assert (tmp_path / "t" / "model.safetensors").stat().st_ino == inodes[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".t.lock", "t"]
 
 
 def test_capture_matches_full_forward(tiny: Path, full_model) -> None:  # noqa: ANN001
