@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,38 +25,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import bench_ms, default_out  # noqa: E402  (bench/, the script's own directory)
+
 from dflash.attention import make_backend  # noqa: E402
 from dflash.attention.mask import allowed_pairs, dense_mask  # noqa: E402
 
 FWD_BWD_FACTOR = 3.5
-
-
-def default_out(name: str) -> str:
-    return str(Path(os.environ["OUT"]) / f"{name}.json") if os.environ.get("OUT") else f"./{name}.json"
-
-
-def bench_ms(fn, device: str, reps: int) -> float:
-    if device == "cuda":
-        try:
-            from triton.testing import do_bench
-
-            return float(do_bench(fn, warmup=5, rep=max(25, reps * 10)))
-        except ImportError:
-            pass
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) * 1000 / reps
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,10 +14,10 @@ FLOPs (stated once, counted per step):
   attention: 4 * D * heads * unmasked query-key pairs forward, x3.5 for fwd+bwd (FlashAttention
       convention), summed over layers with each layer's mask.
 MFU = FLOPs / step time / 989 TFLOP/s (H200 dense bf16); also reported against the measured 790.
-The loss is the DFlash objective: cross-entropy on block positions 1..K-1 against the tokens at
-anchor+k, weighted exp(-(k-1)/gamma), computed in chunks of --loss-chunk block tokens: each chunk's
-logits are made, reduced and backpropagated into the hidden states at once, so the [N, V] logits
-never exist in full (then one backward through the drafter).
+The loss is the job's own (dflash.objective.dflash_loss, as the trainer calls it): cross-entropy on
+block positions 1..K-1 against the tokens at anchor+k, weighted exp(-(k-1)/gamma), in chunks of
+--loss-chunk block tokens with the head's input gradient taken in the forward pass, so the [N, V]
+logits never exist in full and are never recomputed.
 """
 
 from __future__ import annotations
@@ -26,24 +26,21 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import default_out  # noqa: E402  (bench/, the script's own directory)
+
 from dflash.attention.mask import allowed_pairs  # noqa: E402
 from dflash.model import DFlashDrafter, DrafterSpec  # noqa: E402
+from dflash.objective import block_labels, dflash_loss  # noqa: E402
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
-
-
-def default_out(name: str) -> str:
-    return str(Path(os.environ["OUT"]) / f"{name}.json") if os.environ.get("OUT") else f"./{name}.json"
 
 
 def make_spec(tiny: bool) -> DrafterSpec:
@@ -125,37 +122,6 @@ def step_flops(spec: DrafterSpec, B: int, S: int, anchors_BA: torch.Tensor, seq_
     }
 
 
-def dflash_loss_backward(
-    model: DFlashDrafter,
-    hidden_BAKH: torch.Tensor,
-    input_ids_BS: torch.Tensor,
-    anchors_BA: torch.Tensor,
-    seq_lens_B: torch.Tensor,
-    gamma: float,
-    chunk: int,
-) -> float:
-    B, A, K, H = hidden_BAKH.shape
-    offsets_K = torch.arange(K, device=anchors_BA.device)
-    pos_BAK = anchors_BA[:, :, None] + offsets_K
-    valid_BAK = (anchors_BA[:, :, None] >= 0) & (pos_BAK < seq_lens_B[:, None, None]) & (offsets_K > 0)
-    labels_BAK = torch.gather(input_ids_BS, 1, pos_BAK.clamp(0, input_ids_BS.shape[1] - 1).view(B, -1)).view(
-        B, A, K
-    )
-    weight_BAK = torch.exp(-(offsets_K - 1).clamp(min=0) / gamma) * valid_BAK
-    total = weight_BAK.sum().clamp(min=1e-6)
-    h_NH = hidden_BAKH.detach().reshape(-1, H).requires_grad_()
-    labels_N, weight_N = labels_BAK.reshape(-1), weight_BAK.reshape(-1) / total
-    loss = 0.0
-    for s in range(0, h_NH.shape[0], chunk):
-        logits = model.lm_head(h_NH[s : s + chunk])
-        ce = F.cross_entropy(logits.float(), labels_N[s : s + chunk], reduction="none")
-        part = (ce * weight_N[s : s + chunk]).sum()
-        part.backward()
-        loss += part.item()
-    hidden_BAKH.backward(h_NH.grad.view_as(hidden_BAKH))
-    return loss
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="flex,sdpa")
@@ -190,6 +156,9 @@ def main() -> None:
         device
     )
     seq_lens = torch.full((B,), S, device=device)
+    labels, valid = block_labels(
+        input_ids, torch.ones_like(input_ids, dtype=torch.bool), seq_lens, anchors, spec.block_size
+    )
     flops = step_flops(spec, B, S, anchors, seq_lens)
     results = []
     for backend in backends:
@@ -204,10 +173,13 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             with autocast:
                 hidden = model(input_ids, feats, anchors, seq_lens, noise_std=0.0)
-                loss = dflash_loss_backward(model, hidden, input_ids, anchors, seq_lens, 7.0, args.loss_chunk)
+                out = dflash_loss(
+                    hidden, model.lm_head_weight_VH, labels, valid, gamma=7.0, chunk_tokens=args.loss_chunk
+                )
+            out.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            return loss
+            return float(out.loss.detach())
 
         t0 = time.perf_counter()
         for _ in range(args.warmup):

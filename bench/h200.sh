@@ -9,13 +9,14 @@
 #   a. pytest -m gpu -q tests/          -> $OUT/pytest.log             <= 75 s
 #   b. bench/attention.py               -> $OUT/attention.json         <= 40 s   (log: benches.log)
 #   c. bench/drafter_step.py            -> $OUT/drafter_step.json      <= 70 s   (log: benches.log)
+#      bench/head_loss.py               -> $OUT/head_loss.json         <= 30 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
 #   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 300 s (log: pipeline.log)
 #      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
 #      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
 # A step that overruns its cap is cut by `timeout`; the caps of later steps are always kept for them.
-# Eight files come back at most: the four JSONs and four logs above. The summary table goes to stdout.
+# Nine files come back at most: the five JSONs and four logs above. The summary table goes to stdout.
 set -u
 OUT=${OUT:?set OUT to the results directory}
 PY=${PYTHON:-python}
@@ -59,13 +60,16 @@ step() {
 }
 
 # (a) GPU tests (they skip themselves without a GPU)
-step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
+step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 30 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
 
 # (b), (c) kernel and drafter-step benchmarks
-step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 85)))" "$OUT/benches.log" \
+step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 30 + 85)))" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
-step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
+step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 30 + 85)))" "$OUT/benches.log" \
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --out "$OUT/drafter_step.json"
+HEAD_ARGS=(); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
+step head_loss "$(budget 30 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
+  "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json"
 
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
 # empty dir after checking the fingerprint against this interpreter, then a NEW process compiling the
@@ -121,7 +125,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention drafter_step compile_cache pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention drafter_step head_loss compile_cache pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -142,6 +146,9 @@ if p:
 d = load("drafter_step.json")
 for r in (d or {}).get("results", []):
     print(f"  drafter_step {r['backend']:5} {r['step_ms']:8.1f} ms  {r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%}")
+h = load("head_loss.json")
+for r in (h or {}).get("results", []):
+    print(f"  head_loss {r['variant']:28} {r['ms']:8.2f} ms  {r['tflops']:6.1f} TFLOP/s")
 c = load("compile_cache.json")
 if c:
     print(f"  compile cache: cold {c['cold_compile_s']:.1f} s, restored {c['restored_compile_s']:.1f} s, all hits {c['all_hits']}")

@@ -39,6 +39,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import default_out  # noqa: E402  (bench/, the script's own directory)
+
 CONFIG = REPO / "configs" / "qwen3-8b.toml"
 MARKER = "dflash_bench_target.json"
 
@@ -66,14 +68,10 @@ TINY = {
 }
 
 
-def default_out() -> str:
-    return str(Path(os.environ["OUT"]) / "pipeline.json") if os.environ.get("OUT") else "./pipeline.json"
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, help="scratch dir: target model, data, compile cache, run dir")
-    ap.add_argument("--out", default=default_out())
+    ap.add_argument("--out", default=default_out("pipeline"))
     ap.add_argument("--tiny", action="store_true", help="tiny float32 target on CPU (smoke run)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per batch")
     ap.add_argument("--seq-len", type=int, default=4096)

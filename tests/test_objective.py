@@ -69,3 +69,58 @@ def test_loss_matches_dense_reference_and_chunking():
     assert math.isclose(out.acc, float(correct.sum() / valid.sum()), rel_tol=1e-6)
     k1 = float(correct[..., 1].sum() / valid[..., 1].sum())
     assert math.isclose(out.acc_per_pos[0], k1, rel_tol=1e-6)
+
+
+def _reference_loss(hidden, head, labels, valid, gamma):  # noqa: ANN001, ANN202
+    V = head.shape[0]
+    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
+    w = position_weights(hidden.shape[2], gamma).to(logits.dtype).expand(valid.shape).reshape(-1)
+    w = w * valid.reshape(-1)
+    return (ce * w).sum() / w.sum()
+
+
+def test_gradient_taken_in_forward_matches_autograd_for_hidden_and_a_trainable_head():
+    """The CE gradient is computed chunk by chunk during forward; it must equal plain autograd through
+    the full logits, for the hidden states and (when it requires grad) the head, at any chunk size."""
+    torch.manual_seed(1)
+    B, A, K, H, V = 2, 4, 6, 16, 37
+    labels = torch.randint(0, V, (B, A, K))
+    valid = torch.rand(B, A, K) > 0.25
+    valid[..., 0] = False
+    h0 = torch.randn(B, A, K, H, dtype=torch.float64)
+    w0 = torch.randn(V, H, dtype=torch.float64)
+    hidden_ref, head_ref = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = _reference_loss(hidden_ref, head_ref, labels, valid, 5.0)
+    (ref * 3.0).backward()  # a non-unit upstream gradient must scale both
+    for chunk in (1, 7, 10_000):
+        hidden, head = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = dflash_loss(hidden, head, labels, valid, gamma=5.0, chunk_tokens=chunk)
+        (out.loss * 3.0).backward()
+        assert torch.allclose(out.loss, ref, atol=1e-10), chunk
+        assert torch.allclose(hidden.grad, hidden_ref.grad, atol=1e-8), chunk
+        assert torch.allclose(head.grad, head_ref.grad, atol=1e-6), chunk
+        assert hidden.grad[~valid].abs().max() == 0, "untrained positions get no gradient"
+
+
+def test_loss_under_bf16_autocast_and_with_nothing_to_train():
+    torch.manual_seed(2)
+    B, A, K, H, V = 1, 3, 4, 32, 50
+    labels = torch.randint(0, V, (B, A, K))
+    valid = torch.ones(B, A, K, dtype=torch.bool)
+    valid[..., 0] = False
+    hidden = torch.randn(B, A, K, H, requires_grad=True)
+    head = torch.randn(V, H) * 0.2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=5)
+    out.loss.backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref = _reference_loss(ref_hidden, head, labels, valid, 7.0)
+    ref.backward()
+    assert torch.allclose(out.loss, ref, rtol=2e-2)
+    assert torch.allclose(hidden.grad, ref_hidden.grad, atol=2e-3, rtol=5e-2)
+    assert hidden.grad.dtype == torch.float32
+
+    none = dflash_loss(hidden, head, labels, torch.zeros_like(valid), gamma=7.0)
+    none.loss.backward()
+    assert none.tokens == 0 and none.loss.item() == 0 and math.isnan(none.acc)

@@ -50,8 +50,13 @@ def test_heartbeat_rewritten_while_blocked(tmp_path):
     hb = Heartbeat(run, "drafter", 2, rank=2, device="cpu", interval_s=0.1).start()
     hb.set("waiting_input")
     first = json.loads(run.heartbeat_path("drafter", 2).read_text())
-    time.sleep(0.35)  # the worker is "blocked": no calls, yet the file keeps being rewritten
-    second = json.loads(run.heartbeat_path("drafter", 2).read_text())
+    # The worker is "blocked": no calls, yet the file keeps being rewritten (polled, not a fixed
+    # sleep: a loaded CI machine may schedule the heartbeat thread late, but it must come).
+    deadline = time.time() + 10
+    second = first
+    while second["updated_at"] == first["updated_at"] and time.time() < deadline:
+        time.sleep(0.05)
+        second = json.loads(run.heartbeat_path("drafter", 2).read_text())
     assert second["updated_at"] > first["updated_at"]
     assert second["state"] == "waiting_input" and second["pid"] == os.getpid() and second["rank"] == 2
     hb.set("computing", progress=True, step=5)

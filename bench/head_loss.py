@@ -1,0 +1,134 @@
+"""The LM-head cross-entropy of the DFlash objective: the job's chunked loss with the gradient taken
+in the forward pass, against the same chunks under activation checkpointing (each chunk's logits
+recomputed in backward) and against plain autograd through the full [N, V] logits.
+
+H200 (the 8B drafter's head: 16384 block tokens x hidden 4096 x vocab 151936, bf16 autocast):
+    .venv/bin/python bench/head_loss.py --out $OUT/head_loss.json
+CPU (a smaller head; fp32):
+    .venv/bin/python bench/head_loss.py --tokens 4096 --hidden 512 --vocab 32768 --chunk 1024 \
+        --reps 3 --out /tmp/head_loss.json
+
+Times forward + backward into the hidden states (the head is frozen, as in training), and on CUDA
+the peak memory above the inputs. FLOPs counted: 4 x N x V x H (logits + input gradient); the
+checkpointed variant does 6 x N x V x H of work for the same result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import bench_ms, default_out  # noqa: E402
+
+from dflash.objective import dflash_loss, position_weights  # noqa: E402
+
+
+def _chunk_ce(
+    head_VH: torch.Tensor, h_CH: torch.Tensor, y_C: torch.Tensor, w_C: torch.Tensor
+) -> torch.Tensor:
+    return (F.cross_entropy((h_CH @ head_VH.t()).float(), y_C, reduction="none") * w_C).sum()
+
+
+def checkpointed(
+    hidden_NH: torch.Tensor, head_VH: torch.Tensor, y_N: torch.Tensor, w_N: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    total = hidden_NH.new_zeros((), dtype=torch.float32)
+    for s in range(0, hidden_NH.shape[0], chunk):
+        sl = slice(s, s + chunk)
+        total = total + checkpoint(_chunk_ce, head_VH, hidden_NH[sl], y_N[sl], w_N[sl], use_reentrant=False)
+    return total / w_N.sum()
+
+
+def unchunked(
+    hidden_NH: torch.Tensor, head_VH: torch.Tensor, y_N: torch.Tensor, w_N: torch.Tensor, _chunk: int
+) -> torch.Tensor:
+    return _chunk_ce(head_VH, hidden_NH, y_N, w_N) / w_N.sum()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384, help="trained block tokens N")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument(
+        "--chunk", type=int, default=8192, help="block tokens per chunk (train.loss_chunk_tokens)"
+    )
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--skip-unchunked", action="store_true", help="skip the full-logits baseline (memory)")
+    ap.add_argument("--out", default=default_out("head_loss"))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    K = args.block
+    blocks = args.tokens // (K - 1)
+    hidden_BAKH = torch.randn(1, blocks, K, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    head_VH = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype) * 0.02
+    labels_BAK = torch.randint(0, args.vocab, (1, blocks, K), device=device)
+    valid_BAK = torch.ones(1, blocks, K, dtype=torch.bool, device=device)
+    valid_BAK[..., 0] = False
+    n = int(valid_BAK.sum())
+    # The baselines get the same selected rows and weights the job's loss builds internally.
+    hidden_NH = hidden_BAKH.detach()[valid_BAK].requires_grad_()
+    y_N = labels_BAK[valid_BAK]
+    w_N = position_weights(K, 7.0, torch.device(device)).expand(1, blocks, K)[valid_BAK]
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+    def job() -> None:
+        hidden_BAKH.grad = None
+        with autocast:
+            out = dflash_loss(hidden_BAKH, head_VH, labels_BAK, valid_BAK, 7.0, args.chunk)
+        out.loss.backward()
+
+    def baseline(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            hidden_NH.grad = None
+            with autocast:
+                loss = fn(hidden_NH, head_VH, y_N, w_N, args.chunk)
+            loss.backward()
+
+        return run
+
+    variants = {"job (gradient in forward)": job, "checkpointed chunks": baseline(checkpointed)}
+    if not args.skip_unchunked:
+        variants["unchunked autograd"] = baseline(unchunked)
+    flops = 4 * n * args.vocab * args.hidden
+    results = []
+    for name, fn in variants.items():
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ms = bench_ms(fn, device, args.reps)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
+        results.append({"variant": name, "ms": ms, "tflops": flops / ms / 1e9, "peak_extra_gb": peak})
+        print(
+            f"{name:28s} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  peak +{peak or 0:.2f} GiB", flush=True
+        )
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": vars(args),
+        "trained_tokens": n,
+        "flops": flops,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
