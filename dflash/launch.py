@@ -18,7 +18,6 @@ import argparse
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,13 @@ from typing import Any
 
 from dflash.config import JobConfig, load_config
 from dflash.errors import DFlashError
-from dflash.rundir import RunDir, format_status_line, read_jsonl_from
+from dflash.rundir import (
+    SUPERVISOR_ENV,
+    RunDir,
+    format_status_line,
+    read_jsonl_from,
+    supervisor_token,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,10 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LOCAL_ENDPOINT = "127.0.0.1:0"
+"""A one-host group's rendezvous: loopback, the port chosen by the store when it binds."""
 
 
 def _devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
@@ -112,9 +115,12 @@ class Proc:
             except ProcessLookupError:
                 pass
 
-    def kill_tree(self) -> None:
+    def kill_tree(self, *, wait: bool = True) -> None:
         """SIGKILL the process and every descendant: torchrun starts its workers in sessions of
-        their own, so killing its process group alone would orphan them (holding GPUs)."""
+        their own, so killing its process group alone would orphan them (holding GPUs).
+        wait=False inside a signal handler: the interrupted main thread may hold Popen's
+        non-reentrant wait lock (inside poll()), and waiting there would deadlock; the main loop
+        reaps the process."""
         import psutil
 
         if self.popen is None:
@@ -129,7 +135,8 @@ class Proc:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        self.popen.wait()
+        if wait:
+            self.popen.wait()
 
 
 def _tail(path: Path, size: int = 65536) -> str:
@@ -171,7 +178,7 @@ class Supervisor:
                 self.drafters.signal(signal.SIGTERM)
         else:
             for p in [*self.targets, *([self.drafters] if self.drafters else [])]:
-                p.kill_tree()
+                p.kill_tree(wait=False)
 
     def start(self, queue_name: str) -> None:
         target_devs, _ = _devices(self.cfg)
@@ -207,6 +214,7 @@ class Supervisor:
             f"--max-restarts={self.cfg.pipeline.max_restarts}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.rdzv_endpoint}",
+            *(["--local-addr=127.0.0.1"] if self.rdzv_endpoint == LOCAL_ENDPOINT else []),
             f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.cfg.run.name}",
             f"--rdzv-conf=join_timeout={self.cfg.pipeline.rdzv_timeout_s}",
             "--monitor-interval=0.5",
@@ -324,9 +332,10 @@ def launch(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes or cfg.pipeline.nnodes
-    endpoint = args.rdzv_endpoint or (
-        cfg.pipeline.rdzv_endpoint if nnodes > 1 else f"127.0.0.1:{_free_port()}"
-    )
+    # One host: port 0, so the rendezvous store binds a free port itself (as `torchrun --standalone`
+    # does). A port picked here and bound seconds later could be taken meanwhile, and c10d would
+    # then join whatever store listens there, possibly another job's group.
+    endpoint = args.rdzv_endpoint or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else LOCAL_ENDPOINT)
     if nnodes > 1 and cfg.train.keep_last < 2:
         raise DFlashError(
             "train.keep_last must be >= 2 with several hosts: a restarted group resumes from the "
@@ -347,6 +356,9 @@ def launch(args: argparse.Namespace) -> int:
     sup = Supervisor(cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
+    # Every worker (targets, torchrun and its drafters) inherits this and stops itself if the
+    # supervisor vanishes without cleaning up (SIGKILL, OOM killer): see Heartbeat.
+    os.environ[SUPERVISOR_ENV] = supervisor_token()
     try:
         sup.start(name)
         if sup.stopping and sup.drafters:  # a signal arrived while the workers were starting

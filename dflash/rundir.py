@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import tempfile
 import threading
@@ -20,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dflash.errors import DFlashError
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Heartbeats are rewritten at least this often (the contract says at least every 2 s)."""
@@ -110,6 +113,9 @@ def _clean(x: Any) -> Any:
     return x
 
 
+_HELD_LOCKS: list[int] = []
+
+
 class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -143,6 +149,31 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "job.lock"
+
+    def hold(self) -> None:
+        """Claim the run directory for this process's lifetime (an flock, released by the kernel when
+        the process exits, however it exits). A second job on the same directory, such as a relaunch
+        while the old supervisor is still stopping, would share its queue name and checkpoints and
+        delete the other's files: it is refused, naming the holder."""
+        import fcntl
+
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DFlashError(
+                f"run directory {self.root} is in use by another job (pid {holder}); stop that job, or "
+                "pass another --run-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD_LOCKS.append(fd)  # kept open (and locked) until the process exits
+
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         atomic_write_json(self.manifest, manifest)
 
@@ -168,6 +199,28 @@ class RunDir:
 
     def log_path(self, role: str, index: int) -> Path:
         return self.logs / f"{role}-{index}.log"
+
+
+SUPERVISOR_ENV = "DFLASH_SUPERVISOR"
+"""Set by the launcher for its workers: "<pid>:<start time>" of the supervisor process."""
+
+
+def supervisor_token() -> str:
+    import psutil
+
+    return f"{os.getpid()}:{psutil.Process().create_time()}"
+
+
+def supervisor_alive(token: str) -> bool:
+    """Whether the process named by a supervisor_token() still runs (the start time tells a reused
+    pid apart)."""
+    import psutil
+
+    pid, _, started = token.partition(":")
+    try:
+        return str(psutil.Process(int(pid)).create_time()) == started
+    except (psutil.NoSuchProcess, ValueError):
+        return False
 
 
 class Heartbeat:
@@ -202,6 +255,8 @@ class Heartbeat:
             "started_at": now,
         }
         self._interval = interval_s
+        self._write_lock = threading.Lock()  # one write at a time, in order: the final state lands last
+        self._supervisor = os.environ.get(SUPERVISOR_ENV)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{role}-{index}", daemon=True)
 
@@ -226,17 +281,25 @@ class Heartbeat:
             return dict(self._state)
 
     def _write(self) -> None:
-        with self._lock:
-            self._state["updated_at"] = time.time()
-            snap = dict(self._state)
-        try:
-            atomic_write_json(self.path, _clean(snap))
-        except OSError:
-            pass  # a full disk must not kill training; the watcher sees a stale heartbeat
+        with self._write_lock:
+            with self._lock:
+                self._state["updated_at"] = time.time()
+                snap = dict(self._state)
+            try:
+                atomic_write_json(self.path, _clean(snap))
+            except OSError:
+                pass  # a full disk must not kill training; the watcher sees a stale heartbeat
 
     def _loop(self) -> None:
+        orphaned = False
         while not self._stop.wait(self._interval):
             self._write()
+            if self._supervisor and not orphaned and not supervisor_alive(self._supervisor):
+                # The supervisor was SIGKILLed or OOM-killed: nobody will stop this worker, which
+                # would hold its GPU (and train on, or block on a full queue) indefinitely. Take the
+                # graceful path the supervisor's own SIGTERM would have taken.
+                orphaned = True
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self, final_state: str = "stopped") -> None:
         self._stop.set()

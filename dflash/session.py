@@ -43,6 +43,7 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
     run = RunDir(run_dir).create()
+    run.hold()
     commands = [{"t": time.time(), "host": socket.gethostname(), "argv": argv}]
     if run.manifest.exists():
         manifest = run.read_manifest()
@@ -76,7 +77,9 @@ def resolve_target_path(cfg: JobConfig) -> str:
         return cfg.target.path
     from dflash.demo import make_tiny_target
 
-    path = Path(cfg.run.runs_root) / f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}"
+    # Everything the weights depend on is in the name: jobs with other seeds never swap it out.
+    name = f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}-s{cfg.run.seed}"
+    path = Path(cfg.run.runs_root) / name
     return str(
         make_tiny_target(
             path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed

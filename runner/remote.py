@@ -13,9 +13,13 @@ from collections.abc import Sequence
 
 from runner.errors import RunnerError
 
+# A host that stops answering must fail the command, not hang it: ssh otherwise waits for a dead TCP
+# peer indefinitely. ssh keeps the first value given for an option, so these come after the user's.
+_LIVENESS = ["-o", "ConnectTimeout=20", "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+
 
 def ssh_opts() -> list[str]:
-    return shlex.split(os.environ.get("DFLASH_SSH_OPTS", ""))
+    return [*shlex.split(os.environ.get("DFLASH_SSH_OPTS", "")), *_LIVENESS]
 
 
 def _scp_opts() -> list[str]:

@@ -21,7 +21,10 @@ REQUIRE_REAL = os.environ.get("DFLASH_REQUIRE_REAL") == "1"
 def _docker_ok() -> bool:
     if not shutil.which("docker"):
         return False
-    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _cuda_ok() -> bool:
@@ -57,6 +60,19 @@ def repo() -> Path:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _no_jobs_left_behind():
+    """A job test that fails before its job exits must not leave the job (and its worker processes,
+    which run in their own sessions) competing for the CPU with every later test."""
+    yield
+    from jobs import STARTED, kill_tree
+
+    for proc in STARTED:
+        if proc.poll() is None:
+            kill_tree(proc)
+    STARTED.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
+STARTED: list[subprocess.Popen[str]] = []
+"""Every job a test started; conftest kills what is left of them after each test, so a failed test
+cannot leave a training job loading the 2 CI cores for the rest of the run."""
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a launcher and every descendant. The workers run in their own sessions, so a signal to
+    the launcher alone would orphan them; descendants are listed before anything dies (an orphan
+    is re-parented and can no longer be found from the launcher)."""
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        proc.communicate(timeout=30)
+    except (subprocess.TimeoutExpired, ValueError):
+        pass
+
 
 def start_job(
     module: str, repo: Path, runs_root: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -29,6 +55,8 @@ def start_job(
         text=True,
         env={**os.environ, **(env or {})},
     )
+    STARTED.append(proc)
+    return proc
 
 
 def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
@@ -44,16 +72,17 @@ def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
         if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
             break
         time.sleep(0.5)
-    for sig in (signal.SIGTERM, signal.SIGTERM):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(sig)
-        time.sleep(2)
+    for _ in range(2):  # the first SIGTERM stops gracefully, the second forces
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        if alive:
+            time.sleep(2)
     outs = []
     for p in procs:
         try:
             outs.append(p.communicate(timeout=60)[0])
         except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0])
+            kill_tree(p)
+            outs.append(f"(killed: no exit 60 s after two SIGTERMs; output lost)\nrc={p.returncode}")
     return outs

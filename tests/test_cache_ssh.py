@@ -48,12 +48,15 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     os.environ["DFLASH_SSH_OPTS"] = opts
     user = os.environ.get("USER") or "root"
     host = f"{user}@127.0.0.1"
-    for _ in range(50):
-        ok = subprocess.run(["ssh", "-o", "BatchMode=yes", *opts.split(), host, "true"], capture_output=True)
-        if ok.returncode == 0:
+    deadline = time.monotonic() + 60  # a loaded CI machine can take a while to start sshd
+    while True:
+        ok = subprocess.run(
+            ["ssh", "-o", "BatchMode=yes", *opts.split(), host, "true"], capture_output=True, timeout=30
+        )
+        if ok.returncode == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    else:
+    if ok.returncode != 0:
         proc.kill()
         pytest.fail("sshd did not accept the test key: " + (d / "sshd.log").read_text()[-2000:])
     yield host

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,8 @@ def test_concurrent_writers_never_leave_half_an_artifact(store: Store, tmp_path:
         p.start()
     key = fingerprint_key(fingerprint("same"))
     reads = 0
-    while any(p.is_alive() for p in procs):
+    deadline = time.monotonic() + 300
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if key in store.artifact_keys():
             from runner.cache.archive import verify_archive_hash
 
@@ -128,8 +130,8 @@ def test_concurrent_writers_never_leave_half_an_artifact(store: Store, tmp_path:
                 verify_archive_hash(art.archive, art.manifest.archive)
             reads += 1
     for p in procs:
-        p.join()
-        assert p.exitcode == 0
+        p.join(60)
+        assert p.exitcode == 0, "a writer failed or did not finish in time"
     assert store.artifact_keys() == [key]
     assert not [p for p in store.root.iterdir() if p.name.startswith((".tmp-", ".old-"))], "no leftovers"
 

@@ -50,9 +50,16 @@ def base_image() -> str:
             ],
             check=True,
             capture_output=True,
+            timeout=1200,
         )
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", BASE_TAG], stdin=tar.stdout, check=True, capture_output=True)
+        subprocess.run(
+            ["docker", "import", "-", BASE_TAG],
+            stdin=tar.stdout,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         assert tar.wait() == 0
     return BASE_TAG
 
@@ -77,6 +84,7 @@ def _build(root: Path, *extra: str) -> dict:
         text=True,
         cwd=root,
         env={**os.environ, "DFLASH_PROJECT_DIR": str(root)},
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -97,7 +105,7 @@ def test_real_dockerfile_builds_and_matches_its_lock(repo: Path, snapshot: Path,
     assert again["status"] == "exists" and again["tag"] == tag and again["image_id"] == first["image_id"]
 
     user = subprocess.run(
-        ["docker", "run", "--rm", tag, "id", "-un"], capture_output=True, text=True, check=True
+        ["docker", "run", "--rm", tag, "id", "-un"], capture_output=True, text=True, check=True, timeout=300
     )
     assert user.stdout.strip() == "dflash"
     # doctor inside the image: the runner there, the image's own lock, no drift.

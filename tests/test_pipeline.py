@@ -217,3 +217,47 @@ def test_missing_host_fails_with_a_clear_reason(repo, tmp_path):
     assert proc.returncode == 1, out
     reason = RunDir(tmp_path / "host0").read_events("stopped")[-1]["reason"]
     assert "did not form" in reason and "rdzv_timeout_s=8" in reason, reason
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tmp_path):
+    """A second job on a live run directory is refused. When the supervisor is SIGKILLed (no
+    clean-up runs), every worker notices within a heartbeat, checkpoints and exits on its own."""
+    run_dir = tmp_path / "run"
+    args = ["--set", "train.total_steps=100000", "--set", "train.checkpoint_every=100000"]
+    proc = _launch(repo, tmp_path, run_dir, *args)
+    run = RunDir(run_dir)
+    _wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
+
+    second = _launch(repo, tmp_path, run_dir, *args)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 2 and "in use by another job" in out and str(proc.pid) in out, out
+
+    launched = run.read_events("launched")[0]
+    workers = [
+        json.loads(run.heartbeat_path("target", 0).read_text())["pid"],
+        json.loads(run.heartbeat_path("drafter", 0).read_text())["pid"],
+        launched["drafter_group_pid"],
+    ]
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    try:
+        while not all(_gone(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.5)
+        assert all(_gone(pid) for pid in workers), "workers outlived their supervisor"
+    finally:  # orphans are out of the conftest clean-up's reach (no parent to find them from)
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert json.loads(run.heartbeat_path("drafter", 0).read_text())["state"] == "stopped"
+    assert run.read_events("drafters_done")[-1]["stopped_by_signal"]
+    assert run.read_events("checkpoint"), "the orphaned drafters saved a checkpoint on their way out"

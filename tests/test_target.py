@@ -65,7 +65,7 @@ def test_concurrent_builders_share_one_tiny_target(tmp_path: Path) -> None:
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(3) as pool:
-        inodes = pool.map(_build_and_report_inode, [str(tmp_path / "t")] * 3)
+        inodes = pool.map_async(_build_and_report_inode, [str(tmp_path / "t")] * 3).get(timeout=600)
     assert len(set(inodes)) == 1, "every builder saw the same, single build"
     assert (tmp_path / "t" / "model.safetensors").stat().st_ino == inodes[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".t.lock", "t"]
