@@ -229,7 +229,8 @@ class PipelineConfig:
     restart_targets: bool = False
     """Restart a dead target worker instead of stopping the job."""
     nnodes: int = 1
-    rdzv_endpoint: str = "127.0.0.1:29400"
+    rdzv_endpoint: str = ""
+    """HOST:PORT of host 0's rendezvous, reachable from every host; required when nnodes > 1."""
     rdzv_id: str = ""
     """Empty = run.name: identical on every host (run directories are per host)."""
     rdzv_timeout_s: int = 600

@@ -38,9 +38,16 @@ from dflash.rundir import (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--run-dir")
+    p.add_argument("config", help="job config (TOML), e.g. configs/qwen3-8b.toml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set pipeline.drafters=3 (repeatable)",
+    )
+    p.add_argument("--run-dir", help="run directory (this host's); an existing one is resumed")
     p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     p.add_argument(
@@ -65,9 +72,15 @@ def _devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
         f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)
     ]
     if len(targets) != p.targets:
-        raise DFlashError(f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets")
+        raise DFlashError(
+            f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets; list one device "
+            "per target worker, or change pipeline.targets"
+        )
     if len(drafters) != p.drafters:
-        raise DFlashError(f"pipeline.drafter_devices lists {len(drafters)} devices for {p.drafters} drafters")
+        raise DFlashError(
+            f"pipeline.drafter_devices lists {len(drafters)} devices for {p.drafters} drafters; list one "
+            "device per drafter worker, or change pipeline.drafters"
+        )
     return targets, drafters
 
 
@@ -301,8 +314,10 @@ class Supervisor:
 
 
 def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> list[str]:
-    # Run directories are per host: checkpoints are written by every host's local rank 0.
-    run_dir = args.run_dir or str(Path(cfg.run.runs_root) / cfg.run.name)
+    # Run directories are per host: checkpoints are written by every host's local rank 0. Stamped
+    # like open_run_dir's default, so running a plan again starts a new run instead of resuming.
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = args.run_dir or str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
     sets = [a for o in args.overrides for a in ("--set", o)]
     return [
         shlex.join(
@@ -331,11 +346,21 @@ def launch(args: argparse.Namespace) -> int:
     from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
 
     cfg = load_config(args.config, args.overrides)
+    if args.nnodes is not None and args.nnodes < 1:
+        raise DFlashError(f"--nnodes must be >= 1, got {args.nnodes}")
     nnodes = args.nnodes or cfg.pipeline.nnodes
+    if not 0 <= args.node_rank < nnodes:
+        raise DFlashError(f"--node-rank {args.node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
     # One host: port 0, so the rendezvous store binds a free port itself (as `torchrun --standalone`
     # does). A port picked here and bound seconds later could be taken meanwhile, and c10d would
     # then join whatever store listens there, possibly another job's group.
     endpoint = args.rdzv_endpoint or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else LOCAL_ENDPOINT)
+    if nnodes > 1 and not endpoint:
+        raise DFlashError(
+            f"{nnodes} hosts need a rendezvous: pass --rdzv-endpoint HOST0:PORT (or set "
+            "pipeline.rdzv_endpoint), an address of host 0 that every host can reach, e.g. "
+            "10.0.0.1:29400 (127.0.0.1 only when every launch runs on this machine)"
+        )
     if nnodes > 1 and cfg.train.keep_last < 2:
         raise DFlashError(
             "train.keep_last must be >= 2 with several hosts: a restarted group resumes from the "

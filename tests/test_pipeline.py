@@ -261,3 +261,15 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
     assert json.loads(run.heartbeat_path("drafter", 0).read_text())["state"] == "stopped"
     assert run.read_events("drafters_done")[-1]["stopped_by_signal"]
     assert run.read_events("checkpoint"), "the orphaned drafters saved a checkpoint on their way out"
+
+
+def test_launch_arguments_are_checked_before_anything_starts(repo, capsys):
+    from dflash.launch import main
+
+    config = str(repo / "configs" / "demo-cpu.toml")
+    assert main([config, "--plan", "--nnodes", "2"]) == 2
+    assert "--rdzv-endpoint HOST0:PORT" in capsys.readouterr().err
+    assert main([config, "--plan", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"]) == 2
+    assert "--node-rank 2 must be in 0..1" in capsys.readouterr().err
+    assert main([config, "--plan", "--nnodes", "0"]) == 2
+    assert "--nnodes must be >= 1" in capsys.readouterr().err

@@ -117,8 +117,9 @@ def test_require_mask_token() -> None:
     tok = ByteTokenizer()
     assert require_mask_token(tok, -1) == tok.mask_token_id
     assert require_mask_token(tok, 7) == 7
-    with pytest.raises(DFlashError, match="outside the tokenizer's vocabulary"):
-        require_mask_token(tok, tok.vocab_size)
+    # An embedding row above the tokenizer's ids (how Qwen3 drafters pick theirs) is accepted here;
+    # the target's embedding size bounds it (test_model: resolve_spec).
+    assert require_mask_token(tok, tok.vocab_size) == tok.vocab_size
     tok.mask_token_id = None
     with pytest.raises(DFlashError, match="drafter.mask_token_id"):
         require_mask_token(tok, -1)

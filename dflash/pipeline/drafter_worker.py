@@ -71,16 +71,40 @@ class Group:
         return t.tolist()
 
 
-def _target_q_pre(run: RunDir, targets: int) -> list[int]:
+def _target_q_pre(run: RunDir) -> list[int]:
+    """q_pre of this host's targets, in index order (host N's are numbered N*T .. N*T+T-1)."""
     import json
 
     out = []
-    for i in range(targets):
+    beats = sorted(run.workers.glob("target-*.json"), key=lambda p: int(p.stem.split("-")[1].split(".")[0]))
+    for path in beats:
+        if path.name.endswith(".data.json"):
+            continue
         try:
-            out.append(int(json.loads(run.heartbeat_path("target", i).read_text()).get("q_pre", 0)))
+            out.append(int(json.loads(path.read_text()).get("q_pre", 0)))
         except (OSError, ValueError):
             out.append(0)
     return out
+
+
+def group_result(g: Group, r: Any) -> Any:
+    """The step as the whole group took it: tokens summed over ranks, loss and accuracies averaged
+    (over the ranks that had trained positions). Rank 0's metrics then speak for the group, and
+    tok_s is the job's throughput, not one rank's share."""
+    import dataclasses
+    import math
+
+    if g.world == 1:
+        return r
+    accs = [r.acc, *r.acc_per_pos]
+    vals = [float(r.tokens), r.loss]
+    vals += [0.0 if math.isnan(a) else a for a in accs] + [0.0 if math.isnan(a) else 1.0 for a in accs]
+    tot = g.all_reduce(vals, "sum")
+    n = len(accs)
+    means = [s / c if c else math.nan for s, c in zip(tot[2 : 2 + n], tot[2 + n :], strict=True)]
+    return dataclasses.replace(
+        r, tokens=int(tot[0]), loss=tot[1] / g.world, acc=means[0], acc_per_pos=means[1:]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +222,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                     seq=done_lease.seq,
                     deliveries=done_lease.deliveries,
                 )
-            meter.add_step(result)
+            meter.add_step(group_result(g, result))
             hb.set("computing", progress=True, step=trainer.step)
             due = time.time() - last_status >= cfg.run.status_interval_s or trainer.step == total
             if due and g.local_rank == 0:
@@ -207,7 +231,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 last_produced = stats["produced"]
                 rec = meter.record(
                     step=trainer.step,
-                    q_pre=_target_q_pre(run, cfg.pipeline.targets),
+                    q_pre=_target_q_pre(run),
                     q_hs=[hs.depth()],
                     epoch=float(done_lease.meta.get("epoch", 0.0)),
                     compile=compile_counters(),
