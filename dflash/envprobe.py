@@ -250,8 +250,12 @@ def _user() -> str:
 def _cache_paths() -> dict[str, str]:
     # Mirrors inductor's default (tempdir/torchinductor_<user>) without importing torch.
     safe_user = re.sub(r"[^A-Za-z0-9_.-]", "_", _user())
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{safe_user}"
+    dflash_dir = os.environ.get("DFLASH_CACHE_DIR")  # the job puts inductor's cache under it
+    inductor = (
+        os.path.join(dflash_dir, "inductor")
+        if dflash_dir
+        else os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), f"torchinductor_{safe_user}")
     )
     home_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return {"inductor_cache": inductor, "home_cache": home_cache, "tmp": tempfile.gettempdir()}

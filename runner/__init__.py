@@ -1,3 +1,3 @@
-"""dflashctl: build, cache, launch and watch DFlash training jobs. Never imports torch."""
+"""dflashctl: build, check and cache the environments of DFlash training jobs. Never imports torch."""
 
 __version__ = "0.1.0"

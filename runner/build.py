@@ -116,10 +116,15 @@ def plan_image(
     if wheelhouse is not None and not any(wheelhouse.glob("*.whl")):
         raise RunnerError(
             f"--wheelhouse {wheelhouse}: no .whl files there (fill it with `pip download "
-            f"--no-deps --only-binary :all: -r {lock.path.relative_to(root)}`)"
+            f"--no-deps --only-binary :all: --dest {wheelhouse} -r {lock.path.relative_to(root)}`)"
         )
     base = base_image or variant.base_image
-    build_args = {"BASE_IMAGE": base, "VARIANT": variant.name, "LOCK": lock.path.name}
+    build_args = {
+        "BASE_IMAGE": base,
+        "VARIANT": variant.name,
+        "LOCK": lock.path.name,
+        "LOCK_SHA256": lock.sha256,
+    }
     files = sorted({dockerfile.relative_to(root).as_posix(), *_source_files(root, variant)})
     digest = hashlib.sha256(
         json.dumps(

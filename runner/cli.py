@@ -12,7 +12,7 @@ from runner import __version__
 
 app = typer.Typer(
     name="dflashctl",
-    help="Build, cache, launch and watch DFlash drafter training jobs on GPU hosts.",
+    help="Build, check and cache the environments of DFlash drafter training jobs on GPU hosts.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -31,7 +31,7 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    """Build, cache, launch and watch DFlash drafter training jobs on GPU hosts."""
+    """Build, check and cache the environments of DFlash drafter training jobs on GPU hosts."""
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(runner.commands.__path__)):

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from runner.errors import RunnerError
 
@@ -19,5 +20,6 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except RunnerError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        # Escaped: messages quote config sections like "[cache] signing_key", which rich would eat.
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None

@@ -70,7 +70,14 @@ def stream(
         )
 
 
+def host_has_nvidia(host: str | None) -> bool:
+    return remote.run(host, ["sh", "-c", "command -v nvidia-smi"], check=False).returncode == 0
+
+
 def run_python_source(host: str | None, image: str, source: str, *, timeout: float = 300) -> bytes:
-    """stdout of `python -` fed `source`, inside a fresh container of image (no network)."""
-    argv = ["docker", "run", "--rm", "-i", "--network", "none", image, "python3", "-"]
+    """stdout of `python -` fed `source`, inside a fresh container of image (no network). On a host
+    with an NVIDIA driver the container gets the GPUs, so what it reports (CUDA, driver, GPU names)
+    is what a job in it would see."""
+    gpus = ["--gpus", "all"] if host_has_nvidia(host) else []
+    argv = ["docker", "run", "--rm", "-i", "--network", "none", *gpus, image, "python3", "-"]
     return remote.run(host, argv, input=source.encode(), timeout=timeout).stdout

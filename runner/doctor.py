@@ -179,7 +179,7 @@ def tool_checks(fp: dict[str, Any]) -> list[Check]:
             name=t, status="ok" if tools.get(t) else "warn", detail=tools.get(t) or f"{t} not on PATH ({why})"
         )
         for t, why in (
-            ("tmux", "dflashctl run keeps jobs in tmux sessions"),
+            ("tmux", "tmux keeps jobs alive across ssh disconnects"),
             ("docker", "needed to build and run variant images"),
         )
     ]

@@ -142,7 +142,10 @@ def parse_lock(text: str, source: str) -> list[LockEntry]:
 
 def read_lock(path: Path) -> Lock:
     if not path.is_file():
-        raise RunnerError(f"lock {path} does not exist; generate it with `dflashctl lock`")
+        raise RunnerError(
+            f"lock {path} does not exist; check the path (variant locks live in envs/<variant>/, and "
+            "`dflashctl lock` regenerates them)"
+        )
     data = path.read_bytes()
     text = data.decode()
     m = _INPUTS.search(text)

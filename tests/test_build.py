@@ -41,7 +41,12 @@ def test_plan_is_whole_and_stable(project: Path) -> None:
     v = load_variant("cu130", project)
     plan = plan_image(v, root=project, lock_kind="runner", base_image="dflash-test-base:bookworm")
     lock = read_lock(project / "envs/cu130/runner.lock")
-    args = {"BASE_IMAGE": "dflash-test-base:bookworm", "VARIANT": "cu130", "LOCK": "runner.lock"}
+    args = {
+        "BASE_IMAGE": "dflash-test-base:bookworm",
+        "VARIANT": "cu130",
+        "LOCK": "runner.lock",
+        "LOCK_SHA256": lock.sha256,
+    }
     files = plan.context_files
     assert "Dockerfile.cu130" in files and "envs/cu130/runner.lock" in files and "dflash/envprobe.py" in files
     assert not any("cu128" in f or "__pycache__" in f for f in files)

@@ -170,3 +170,19 @@ def test_restore_refuses_other_fingerprint_and_force_overrides(store: Store, tmp
     restore(a, dest, dest_fingerprint=partial, ring=Keyring())
     res = restore(a, dest, dest_fingerprint=other, ring=Keyring(), force=True)
     assert {d[0] for d in res.differences} == {"env.torch", "sources.model.py"}
+
+
+def test_unreadable_signing_key_is_a_clear_error(store: Store, tmp_path: Path, monkeypatch) -> None:
+    """A key path in the user's config that does not exist names the setting and the file; the
+    message's "[cache]" survives the terminal's markup."""
+    cfg_home = tmp_path / "cfg"
+    (cfg_home / "dflashctl").mkdir(parents=True)
+    missing = tmp_path / "nowhere" / "signing.pem"
+    (cfg_home / "dflashctl" / "config.toml").write_text(f'[cache]\ned25519_private_key = "{missing}"\n')
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(cfg_home))
+    result = CliRunner().invoke(app, ["cache", "list", "--store", str(store.root)])
+    # Rich wraps to the terminal width, even inside a path: compare with whitespace removed.
+    text = "".join((result.output + (result.stderr if result.stderr_bytes is not None else "")).split())
+    assert result.exit_code == 1, text
+    for want in ("[cache]ed25519_private_key", str(missing), "fixthepath"):
+        assert want in text, (want, text)

@@ -105,9 +105,14 @@ def test_real_dockerfile_builds_and_matches_its_lock(repo: Path, snapshot: Path,
     assert again["status"] == "exists" and again["tag"] == tag and again["image_id"] == first["image_id"]
 
     user = subprocess.run(
-        ["docker", "run", "--rm", tag, "id", "-un"], capture_output=True, text=True, check=True, timeout=300
+        ["docker", "run", "--rm", tag, "sh", "-c", 'id -un; echo "$DFLASH_LOCK_SHA256"'],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
-    assert user.stdout.strip() == "dflash"
+    # Not root; and a job in the image records which lock built it (run.json lock_sha256).
+    assert user.stdout.split() == ["dflash", lock.sha256]
     # doctor inside the image: the runner there, the image's own lock, no drift.
     proc = subprocess.run(
         [

@@ -87,10 +87,20 @@ def load_keyring(path: Path | None = None) -> Keyring:
                 f"(env DFLASH_CACHE_SIGNING_KEY or [cache] signing_key in {cfg_file})"
             )
         ring.hmac_secret = secret.encode()
+
+    def pem(key: str, value: object) -> bytes:
+        path = Path(str(value)).expanduser()
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise RunnerError(
+                f"[cache] {key} in {cfg_file}: cannot read {path}: {e.strerror}; fix the path there"
+            ) from None
+
     if section.get("ed25519_private_key"):
-        ring.ed25519_private_pem = Path(str(section["ed25519_private_key"])).expanduser().read_bytes()
+        ring.ed25519_private_pem = pem("ed25519_private_key", section["ed25519_private_key"])
     for pub in section.get("ed25519_public_keys", []):
-        ring.ed25519_public_pems.append(Path(str(pub)).expanduser().read_bytes())
+        ring.ed25519_public_pems.append(pem("ed25519_public_keys", pub))
     return ring
 
 

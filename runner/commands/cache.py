@@ -17,7 +17,7 @@ from runner.cache.errors import IntegrityError
 from runner.cache.restore import format_differences, restore
 from runner.cache.signing import check_signature, load_keyring
 from runner.cache.store import STORE_ENV, Artifact, Store, parse_age
-from runner.cache.target import JobEnv, job_fingerprint
+from runner.cache.target import JobEnv, job_fingerprint, variant_image
 from runner.cache.verify import verify_artifact
 from runner.console import cli_errors, console, err_console
 from runner.errors import RunnerError
@@ -32,7 +32,8 @@ StoreOpt = Annotated[
         "--store",
         envvar=STORE_ENV,
         show_envvar=True,
-        help="Artifact store directory (default ~/.cache/dflashctl/artifacts).",
+        help="Artifact store directory (default $XDG_CACHE_HOME/dflashctl/artifacts, i.e. "
+        "~/.cache/dflashctl/artifacts when XDG_CACHE_HOME is unset).",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -189,6 +190,10 @@ def restore_cmd(
     image: Annotated[
         str | None, typer.Option(help="...or a container image holding that environment.")
     ] = None,
+    variant: Annotated[
+        str | None,
+        typer.Option(help="...or the newest `dflashctl build` image of this variant (dflash:<variant>)."),
+    ] = None,
     config: Annotated[
         Path | None, typer.Option(help="Job config: also compare the compile-relevant job part.")
     ] = None,
@@ -199,6 +204,12 @@ def restore_cmd(
 ) -> None:
     """Verify an artifact, check it against the destination environment, and swap it in safely."""
     with cli_errors():
+        if image and variant:
+            raise RunnerError("pass --image or --variant, not both")
+        if variant:
+            from runner.envs import load_variant
+
+            image = variant_image(load_variant(variant).name)
         st = Store(store)
         env = JobEnv(python=python or (sys.executable if image is None else "python3"), image=image)
         cfg_arg = None
@@ -209,6 +220,8 @@ def restore_cmd(
                 cfg_arg = "/dflash-config.toml"
         with _opened(st, ref) as art:
             device = str(art.manifest.fingerprint.get("env", {}).get("device_type", "auto"))
+            # A CUDA cache is compared against the GPUs the container will see: give it them.
+            env.gpus = image is not None and device == "cuda"
             try:
                 probe = job_fingerprint(env, config=cfg_arg, sets=sets, device=None if cfg_arg else device)
                 dest_fp: dict[str, Any] | None = probe["fingerprint"]

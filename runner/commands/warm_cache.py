@@ -9,12 +9,12 @@ from typing import Annotated, Any
 
 import typer
 
-from runner import remote
 from runner.cache.signing import load_keyring
 from runner.cache.store import STORE_ENV, Store
 from runner.cache.target import JobEnv, variant_image
 from runner.cache.warmrun import warm_cache
 from runner.console import cli_errors, console
+from runner.docker import host_has_nvidia
 from runner.errors import RunnerError
 
 if sys.version_info >= (3, 11):
@@ -23,13 +23,17 @@ else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
 
-def _wants_gpu(config: Path, host: str | None) -> bool:
+def _wants_gpu(config: Path, host: str | None, sets: list[str]) -> bool:
     try:
         device = tomllib.loads(config.read_text()).get("run", {}).get("device", "auto")
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise RunnerError(f"cannot read {config}: {e}") from None
+    for override in sets:  # the job applies --set after the file; the last one wins
+        key, _, value = override.partition("=")
+        if key.strip() == "run.device":
+            device = value.strip().strip("\"'")
     if device == "auto":
-        return remote.run(host, ["sh", "-c", "command -v nvidia-smi"], check=False).returncode == 0
+        return host_has_nvidia(host)
     return device == "cuda"
 
 
@@ -88,7 +92,7 @@ def register(app: typer.Typer) -> None:
             local = host is None and image is None
             env = JobEnv(python=python or (sys.executable if local else "python3"), host=host, image=image)
             if image:
-                env.gpus = _wants_gpu(config, host)
+                env.gpus = _wants_gpu(config, host, sets or [])
             result = warm_cache(
                 config,
                 env=env,
