@@ -22,8 +22,16 @@ from typing import Any
 
 FORMAT = 1
 PACKAGE = Path(__file__).resolve().parent
-COMPILED_SOURCES = ["model.py", "attention/*.py", "kernels.py", "trainer.py", "compile_cache.py"]
-"""dflash files that define compiled code (the layers, attention, apply_compile)."""
+COMPILED_SOURCES = [
+    "model.py",
+    "attention/*.py",
+    "kernels.py",
+    "trainer.py",
+    "compile_cache.py",
+    "target.py",
+]
+"""dflash files that define compiled code (the layers, attention, apply_compile, the target's
+regional compile when target.compile is on)."""
 
 
 def canonical_json(value: Any) -> bytes:
@@ -86,8 +94,29 @@ def shape_buckets(cfg: Any) -> list[list[int]]:
     ]
 
 
-def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str) -> dict[str, Any]:
+def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
+    """What the target's compiled layers depend on: nothing when it is not compiled; else its
+    architecture (config.json, which the kept layers are built from) and how many layers are kept."""
+    if not cfg.target.compile:
+        return {"compile": False}
+    cfg_file = Path(target_path) / "config.json"
+    try:
+        target_cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        from dflash.errors import DFlashError
+
+        raise DFlashError(f"target.compile needs the target's config: cannot read {cfg_file}: {e}") from None
     return {
+        "compile": True,
+        "config_sha256": hashlib.sha256(canonical_json(target_cfg)).hexdigest(),
+        "layers_kept": max(spec.target_layer_ids) + 1,
+        "dtype": cfg.target.dtype,
+    }
+
+
+def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
+    return {
+        "target": target_fingerprint(cfg, spec, target_path),
         "shapes": shape_buckets(cfg),
         "num_anchors": cfg.train.num_anchors,
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
@@ -122,12 +151,12 @@ def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
 
 
 def cache_fingerprint(cfg: Any, *, device: Any = None) -> dict[str, Any]:
-    spec, resolved, backend, _ = resolve_job(cfg)
+    spec, resolved, backend, target_path = resolve_job(cfg)
     device = device or resolved
     return {
         "format": FORMAT,
         "env": env_fingerprint(device.type),
-        "job": job_fingerprint(cfg, spec, device.type, backend),
+        "job": job_fingerprint(cfg, spec, device.type, backend, target_path),
         "sources": source_hashes(),
     }
 

@@ -118,3 +118,36 @@ def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.R
     )
     assert other.returncode == 1 and "job.shapes" in other.stderr, other.stderr
     assert not (tmp_path / "other").exists()
+
+
+def _warm(tmp_path: Path, out: Path, *sets: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.warm", str(CONFIG), "--out", str(out), *sets],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _events(proc.stdout)
+
+
+def test_compiled_target_is_warmed_and_keyed(tmp_path: Path) -> None:
+    """target.compile = true is compiled code of the job too: warm-cache runs the target's forward per
+    bucket (unpadded and padded), the key changes with it, and a new process then misses nothing."""
+    sets = ["--set", f"run.runs_root={tmp_path / 'runs'}", "--set", "target.compile=true"]
+    cold = _warm(tmp_path, tmp_path / "cache", *sets)
+    shapes = [e for e in cold if e["event"] == "shape"]
+    assert shapes and all("target_seconds" in e for e in shapes)
+    plain = _warm(tmp_path, tmp_path / "plain", *sets[:2])
+
+    def first(events: list[dict], kind: str) -> dict:
+        return next(e for e in events if e["event"] == kind)
+
+    assert first(plain, "fingerprint")["key"] != first(cold, "fingerprint")["key"], "part of the key"
+    graphs = first(cold, "done")["counters"]["graphs"], first(plain, "done")["counters"]["graphs"]
+    assert graphs[0] > graphs[1], f"the target's layers compiled graphs of their own: {graphs}"
+    again = _warm(tmp_path, tmp_path / "cache", *sets)
+    c = first(again, "done")["counters"]
+    assert c["fxgraph_misses"] == 0 and c["fxgraph_hits"] > 0, c
