@@ -76,6 +76,11 @@ def save_checkpoint(
             str(tmp / "model.safetensors"),
             metadata={"format": "pt"},
         )
+        # The config states the dtype the file really holds (fp32 master weights: resume is exact;
+        # engines cast to their serving dtype on load).
+        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in weights.values()})
+        if len(dtypes) == 1:
+            hf_config = {**hf_config, "torch_dtype": dtypes[0]}
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         torch.save(trainer_state, tmp / "trainer.pt")
         sizes = {name: (tmp / name).stat().st_size for name in REQUIRED if name != "meta.json"}

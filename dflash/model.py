@@ -114,7 +114,10 @@ class DrafterSpec:
             "tie_word_embeddings": False,
             "num_target_layers": self.target_num_hidden_layers,
             "target_hidden_size": self.target_hidden_size,
-            "torch_dtype": "bfloat16",
+            # Attention inside a block is bidirectional on every layer, sliding ones included (the
+            # mask this drafter was trained with). Engines that read it (z-lab's reference, vLLM)
+            # otherwise assume sliding layers are causal inside the block.
+            "is_causal": False,
         }
 
     @classmethod
@@ -179,7 +182,7 @@ def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
     start = 1 if n_target_layers > 1 else 0
     end = max(start, n_target_layers - 3)
     if k == 1:
-        return [(start + end) // 2]
+        return [n_target_layers // 2]  # the reference's choice for a single layer: the middle one
     return sorted({round(start + i * (end - start) / (k - 1)) for i in range(k)})
 
 

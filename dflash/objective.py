@@ -1,7 +1,7 @@
 """The DFlash training objective, as plain maths.
 
-Anchors: up to `num_anchors` positions a per sequence, sampled without replacement among positions
-whose next token is a loss token (loss_mask[a+1]), sorted. Each anchor becomes a block
+Anchors: up to `num_anchors` positions a per sequence, sampled without replacement among loss-mask
+positions whose next token is a loss token too (loss_mask[a] and loss_mask[a+1]), sorted. Each anchor becomes a block
 [x_a, MASK, ..., MASK] of K tokens; block position k (1..K-1) is trained to predict x_{a+k} with
 weight w_k = exp(-(k-1)/gamma): early positions matter most, because a draft is accepted only up to
 its first wrong token.
@@ -31,9 +31,11 @@ def sample_anchors(
     one shape: each distinct shape is a separate compile."""
     B, L = loss_mask_BL.shape
     pos_L = torch.arange(L, device=loss_mask_BL.device)
+    # An anchor is a trained (assistant) token whose next token is trained too: at inference the
+    # first block is anchored on the first generated token, never on the prompt's last one.
     next_is_loss_BL = torch.zeros_like(loss_mask_BL)
     next_is_loss_BL[:, :-1] = loss_mask_BL[:, 1:]
-    eligible_BL = next_is_loss_BL & (pos_L[None, :] < (seq_lens_B[:, None] - 1))
+    eligible_BL = loss_mask_BL & next_is_loss_BL & (pos_L[None, :] < (seq_lens_B[:, None] - 1))
     # Random keys for eligible positions, +inf elsewhere; the smallest num_anchors keys win.
     keys_BL = torch.rand(B, L, generator=generator, device="cpu").to(loss_mask_BL.device)
     keys_BL = keys_BL.masked_fill(~eligible_BL, float("inf"))

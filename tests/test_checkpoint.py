@@ -29,6 +29,7 @@ def test_save_load_keep_last(tmp_path):
         and st["step"] == 30
         and float(w["w"][0, 0]) == 30
         and cfg["block_size"] == 16
+        and cfg["torch_dtype"] == "float32"  # what the file holds
     )
 
 

@@ -120,6 +120,8 @@ def test_hf_config_round_trip():
     assert d["architectures"] == ["DFlashDraftModel"]
     assert d["dflash_config"] == {"mask_token_id": 60, "target_layer_ids": spec.target_layer_ids}
     assert d["block_size"] == 4 and d["num_hidden_layers"] == 3
+    # Bidirectional inside blocks on every layer: engines must not assume causal sliding layers.
+    assert d["is_causal"] is False
     assert DrafterSpec.from_hf_config(d) == spec
     del d["dflash_config"]["mask_token_id"]
     with pytest.raises(ConfigError, match="dflash_config.mask_token_id"):
@@ -140,6 +142,7 @@ def test_resolve_spec_defaults():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(4, 5) == [1]
+    assert default_target_layer_ids(24, 1) == [12], "one layer: the middle one, as the reference picks"
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,12 @@ def test_anchor_sampling_respects_loss_mask_and_lengths():
         valid = a[b][a[b] >= 0]
         assert torch.all(valid[1:] > valid[:-1]), "anchors sorted and distinct"
         assert torch.all(valid + 1 < seq[b]), "the first predicted token is inside the sequence"
+        assert torch.all(loss[b, valid]), "the anchor itself is a trained token (as at inference)"
         assert torch.all(loss[b, valid + 1]), "the first predicted token is a loss token"
-    assert (a[0] >= 9).all() and (a[0] <= 28).all()
+    assert (a[0] >= 10).all() and (a[0] <= 28).all()
     assert (a[2] == -1).all(), "an empty row gets no anchors"
     few = sample_anchors(loss[:1, :12], torch.tensor([12]), 8, g)
-    assert few[0, :3].tolist() == [9, 10, -1]  # next token (10, 11) must be a loss token inside the row
+    assert few[0, :2].tolist() == [10, -1]  # 10 and its next token 11 are trained; 11 has no next
 
 
 def test_labels_and_validity():
