@@ -79,6 +79,11 @@ class DrafterConfig:
     """sliding_attention | full_attention per layer; empty = all sliding but the last."""
     sliding_window: int = 2048
     """Window (tokens of context before the anchor) of sliding layers."""
+    sliding_block_causal: bool = False
+    """Sliding layers attend causally inside each block (full layers stay bidirectional). Off: every
+    layer is bidirectional inside a block, and config.json says `is_causal: false`. On: the
+    convention engines assume when a config has no `is_causal` (SGLang always serves sliding
+    layers this way), so the drafter is served as it was trained everywhere."""
     hidden_size: int = 0
     """0 = the target's. Likewise for the sizes below."""
     intermediate_size: int = 0

@@ -53,6 +53,8 @@ class DrafterSpec:
     target_num_hidden_layers: int = 0
     """Layers of the target (engines use it to re-derive layer ids); 0 = unknown."""
     hidden_act: str = field(default="silu")
+    sliding_block_causal: bool = False
+    """Sliding layers causal inside a block (see DrafterConfig.sliding_block_causal)."""
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -114,10 +116,11 @@ class DrafterSpec:
             "tie_word_embeddings": False,
             "num_target_layers": self.target_num_hidden_layers,
             "target_hidden_size": self.target_hidden_size,
-            # Attention inside a block is bidirectional on every layer, sliding ones included (the
-            # mask this drafter was trained with). Engines that read it (z-lab's reference, vLLM)
-            # otherwise assume sliding layers are causal inside the block.
-            "is_causal": False,
+            # How attention inside a block was trained. Absent, engines (z-lab's reference, vLLM,
+            # SGLang) treat sliding layers as causal inside the block and full layers as
+            # bidirectional: exactly sliding_block_causal. Otherwise every layer was bidirectional,
+            # which `is_causal: false` tells the engines that read it.
+            **({} if self.sliding_block_causal else {"is_causal": False}),
         }
 
     @classmethod
@@ -136,6 +139,12 @@ class DrafterSpec:
                 "config.json:rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)"
             )
         num_layers = need("num_hidden_layers")
+        if d.get("is_causal") is True:
+            raise ConfigError(
+                "config.json:is_causal",
+                "is true (causal attention inside blocks on every layer); DFlash drafters here train "
+                "bidirectional blocks, optionally causal on sliding layers (drafter.sliding_block_causal)",
+            )
         return cls(
             hidden_size=need("hidden_size"),
             intermediate_size=need("intermediate_size"),
@@ -155,6 +164,8 @@ class DrafterSpec:
             target_hidden_size=d.get("target_hidden_size") or need("hidden_size"),
             target_num_hidden_layers=d.get("num_target_layers") or 0,
             hidden_act=d.get("hidden_act", "silu"),
+            # The engines' reading of a config without is_causal (see to_hf_config).
+            sliding_block_causal="is_causal" not in d,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,6 +241,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
         num_layers=cfg.num_layers,
         layer_types=layer_types,
         sliding_window=cfg.sliding_window,
+        sliding_block_causal=cfg.sliding_block_causal,
         block_size=cfg.block_size,
         target_layer_ids=sorted(ids),
         mask_token_id=mask_token_id,
@@ -380,7 +392,14 @@ class DFlashDrafter(nn.Module):
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
 
         windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
-        plans = self.backend.prepare(anchors_BA, seq_lens_B, context_len=S, block_size=K, windows=windows)
+        plans = self.backend.prepare(
+            anchors_BA,
+            seq_lens_B,
+            context_len=S,
+            block_size=K,
+            windows=windows,
+            sliding_causal=self.spec.sliding_block_causal,
+        )
         for layer, window in zip(self.layers, windows, strict=True):
             h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
         return self.norm(h_BQH).view(B, A, K, -1)

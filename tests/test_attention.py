@@ -33,21 +33,30 @@ def inputs(
     return q, k, v, anchors.to(device), seq_lens.to(device)
 
 
-def run(backend, q, k, v, anchors, seq_lens, window, context=S, block=K):
-    plans = backend.prepare(anchors, seq_lens, context_len=context, block_size=block, windows=[window])
+def run(backend, q, k, v, anchors, seq_lens, window, context=S, block=K, sliding_causal=False):
+    plans = backend.prepare(
+        anchors,
+        seq_lens,
+        context_len=context,
+        block_size=block,
+        windows=[window],
+        sliding_causal=sliding_causal,
+    )
     return backend.attend(q, k, v, plans[window])
 
 
-@pytest.mark.parametrize("chunk_blocks", [1, 2, 64])
-@pytest.mark.parametrize("window", WINDOWS)
-def test_sdpa_matches_eager_forward_and_backward(window, chunk_blocks):
+@pytest.mark.parametrize(
+    "window,chunk_blocks,sliding_causal",
+    [(w, c, False) for w in WINDOWS for c in (1, 2, 64)] + [(13, 1, True), (13, 64, True), (None, 2, True)],
+)
+def test_sdpa_matches_eager_forward_and_backward(window, chunk_blocks, sliding_causal):
     eager, sdpa = make_backend("eager"), make_backend("sdpa", sdpa_chunk_blocks=chunk_blocks)
     q, k, v, anchors, seq_lens = inputs()
     grad_out = torch.randn_like(q)
     results = []
     for backend in (eager, sdpa):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        out = run(backend, qq, kk, vv, anchors, seq_lens, window)
+        out = run(backend, qq, kk, vv, anchors, seq_lens, window, sliding_causal=sliding_causal)
         (out * grad_out).sum().backward()
         results.append((out.detach(), qq.grad, kk.grad, vv.grad))
     for name, ref, got in zip(("out", "dq", "dk", "dv"), *results, strict=True):
@@ -71,12 +80,20 @@ def test_flex_forward_matches_eager_on_cpu():
     """Compiled flex on CPU (forward only: flex has no CPU backward), one shape for both layer types."""
     eager, flex = make_backend("eager"), make_backend("flex")
     q, k, v, anchors, seq_lens = inputs()
-    plans_ref = eager.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[None, 13])
-    plans = flex.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[None, 13])
-    for window in (None, 13):
-        ref = eager.attend(q, k, v, plans_ref[window])
-        got = flex.attend(q, k, v, plans[window])
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    for causal in (False, True):
+        kw = dict(context_len=S, block_size=K, windows=[None, 13], sliding_causal=causal)
+        plans_ref = eager.prepare(anchors, seq_lens, **kw)
+        plans = flex.prepare(anchors, seq_lens, **kw)
+        for window in (None, 13):
+            ref = eager.attend(q, k, v, plans_ref[window])
+            got = flex.attend(q, k, v, plans[window])
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    # The causal sliding plan really differs from the bidirectional one (and the full layer does not).
+    both = [
+        eager.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[None, 13], sliding_causal=c)
+        for c in (False, True)
+    ]
+    assert torch.equal(both[0][None], both[1][None]) and not torch.equal(both[0][13], both[1][13])
 
 
 @pytest.mark.gpu

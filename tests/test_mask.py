@@ -21,14 +21,32 @@ def grid(mask_mod, q_len: int, kv_len: int) -> torch.Tensor:
     return mask_mod(b, torch.zeros_like(b), q, kv).expand(B, q_len, kv_len)
 
 
+@pytest.mark.parametrize("causal_block", [False, True])
 @pytest.mark.parametrize("window", [None, 1, 13, 64, 1000])
-def test_mask_mod_matches_dense_reference(window):
+def test_mask_mod_matches_dense_reference(window, causal_block):
     A = ANCHORS.shape[1]
-    mod = dflash_mask_mod(ANCHORS, SEQ_LENS, context_len=S, block_size=K, window=window)
-    dense = dense_mask(ANCHORS, SEQ_LENS, context_len=S, block_size=K, window=window)
+    kw = dict(context_len=S, block_size=K, window=window, causal_block=causal_block)
+    mod = dflash_mask_mod(ANCHORS, SEQ_LENS, **kw)
+    dense = dense_mask(ANCHORS, SEQ_LENS, **kw)
     got = grid(mod, A * K, S + A * K)
     assert torch.equal(got, dense), f"mask_mod differs from dense at {(got != dense).nonzero()[:5].tolist()}"
-    assert int(dense.sum()) == allowed_pairs(ANCHORS, SEQ_LENS, context_len=S, block_size=K, window=window)
+    assert int(dense.sum()) == allowed_pairs(ANCHORS, SEQ_LENS, **kw)
+
+
+def test_causal_block_sees_its_block_up_to_itself():
+    A = ANCHORS.shape[1]
+    dense = dense_mask(ANCHORS, SEQ_LENS, context_len=S, block_size=K, window=13, causal_block=True)
+    blocks = dense[:, :, S:].reshape(2, A, K, A, K)
+    tril = torch.ones(K, K, dtype=torch.bool).tril()
+    want = torch.eye(A, dtype=torch.bool)[None, :, None, :, None] & tril[None, None, :, None, :]
+    assert torch.equal(blocks, want.expand_as(blocks))
+    # Context visibility is unchanged: block at anchor 50 still sees exactly 37..49 on every row.
+    for j in range(K):
+        assert dense[0, 2 * K + j, :S].nonzero().flatten().tolist() == list(range(37, 50))
+    name = dflash_mask_mod(
+        ANCHORS, SEQ_LENS, context_len=S, block_size=K, window=13, causal_block=True
+    ).__name__
+    assert name == "dflash_block7_window13_causal"
 
 
 def test_mask_structure():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -50,8 +51,9 @@ def batch(spec: DrafterSpec):
     return ids, feats
 
 
-def test_sdpa_and_eager_drafters_agree_on_hidden_states_and_grads():
-    spec = tiny_spec()
+@pytest.mark.parametrize("sliding_block_causal", [False, True])
+def test_sdpa_and_eager_drafters_agree_on_hidden_states_and_grads(sliding_block_causal):
+    spec = tiny_spec(sliding_block_causal=sliding_block_causal)
     ids, feats = batch(spec)
     outs = []
     for backend in ("eager", "sdpa"):
@@ -65,6 +67,9 @@ def test_sdpa_and_eager_drafters_agree_on_hidden_states_and_grads():
         outs.append((hidden.detach(), grads))
     (h_ref, g_ref), (h, g) = outs
     assert torch.isfinite(h).all()
+    if sliding_block_causal:  # the last token of a block sees its whole block either way; the first differs
+        bidi = build(tiny_spec(), "eager")(ids, feats, ANCHORS, SEQ_LENS).detach()
+        assert not torch.allclose(bidi[:, :, 0], h_ref[:, :, 0])
     torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
     assert g.keys() == g_ref.keys()
     for name in g:
@@ -123,6 +128,12 @@ def test_hf_config_round_trip():
     # Bidirectional inside blocks on every layer: engines must not assume causal sliding layers.
     assert d["is_causal"] is False
     assert DrafterSpec.from_hf_config(d) == spec
+    # Causal sliding layers are the engines' reading of a config without is_causal.
+    causal = dataclasses.replace(spec, sliding_block_causal=True)
+    d_causal = causal.to_hf_config()
+    assert "is_causal" not in d_causal and DrafterSpec.from_hf_config(d_causal) == causal
+    with pytest.raises(ConfigError, match="is_causal"):
+        DrafterSpec.from_hf_config({**d, "is_causal": True})
     del d["dflash_config"]["mask_token_id"]
     with pytest.raises(ConfigError, match="dflash_config.mask_token_id"):
         DrafterSpec.from_hf_config(d)

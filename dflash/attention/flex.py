@@ -41,13 +41,19 @@ class FlexBackend:
         context_len: int,
         block_size: int,
         windows: Iterable[int | None],
+        sliding_causal: bool = False,
     ) -> dict[int | None, BlockMask]:
         B, A = anchors_BA.shape
         q_len, kv_len = A * block_size, context_len + A * block_size
         plans = {}
         for w in set(windows):
             mask_mod = dflash_mask_mod(
-                anchors_BA, seq_lens_B, context_len=context_len, block_size=block_size, window=w
+                anchors_BA,
+                seq_lens_B,
+                context_len=context_len,
+                block_size=block_size,
+                window=w,
+                causal_block=sliding_causal and w is not None,
             )
             plans[w] = self._block_mask(mask_mod, B, None, q_len, kv_len, device=anchors_BA.device)
         return plans

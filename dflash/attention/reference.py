@@ -23,11 +23,17 @@ class EagerBackend:
         context_len: int,
         block_size: int,
         windows: Iterable[int | None],
+        sliding_causal: bool = False,
     ) -> dict[int | None, Tensor]:
         return {
-            w: dense_mask(anchors_BA, seq_lens_B, context_len=context_len, block_size=block_size, window=w)[
-                :, None
-            ]
+            w: dense_mask(
+                anchors_BA,
+                seq_lens_B,
+                context_len=context_len,
+                block_size=block_size,
+                window=w,
+                causal_block=sliding_causal and w is not None,
+            )[:, None]
             for w in set(windows)
         }
 

@@ -46,10 +46,18 @@ class SdpaBackend:
         context_len: int,
         block_size: int,
         windows: Iterable[int | None],
+        sliding_causal: bool = False,
     ) -> dict[int | None, ChunkPlan]:
-        return {w: self._plan(anchors_BA, seq_lens_B, context_len, block_size, w) for w in set(windows)}
+        return {
+            w: self._plan(
+                anchors_BA, seq_lens_B, context_len, block_size, w, sliding_causal and w is not None
+            )
+            for w in set(windows)
+        }
 
-    def _plan(self, anchors_BA: Tensor, seq_lens_B: Tensor, S: int, K: int, window: int | None) -> ChunkPlan:
+    def _plan(
+        self, anchors_BA: Tensor, seq_lens_B: Tensor, S: int, K: int, window: int | None, causal_block: bool
+    ) -> ChunkPlan:
         B, A = anchors_BA.shape
         dev = anchors_BA.device
         # A block sees context [start, end): strictly before its anchor, inside the sequence, and
@@ -77,6 +85,8 @@ class SdpaBackend:
             # Expand blocks to their K query rows and own-block columns to K keys each.
             ctx_part = ctx_BcP.repeat_interleave(K, dim=1)
             own_part = own_cc.repeat_interleave(K, dim=1).repeat_interleave(K, dim=2)
+            if causal_block:  # inside its block, a token sees the block's tokens up to itself
+                own_part = own_part & torch.ones(K, K, dtype=torch.bool, device=dev).tril().repeat(c, c)
             masks.append(torch.cat([ctx_part, own_part], dim=2)[:, None])
             chunks.append((s, e, lo, hi))
         return ChunkPlan(context_len=S, block_size=K, chunks=chunks, masks=masks)
