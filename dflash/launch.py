@@ -31,6 +31,7 @@ from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
     format_status_line,
+    held_lock_fds,
     read_jsonl_from,
     supervisor_token,
 )
@@ -105,16 +106,21 @@ class Proc:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    log_start: int = 0
+    """Size of the (appended) log when the latest start began: what this start wrote follows."""
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
+            self.log_start = out.tell()
             self.popen = subprocess.Popen(
                 self.argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env={**os.environ, **(env or {})},
+                # The run-dir lock travels with the workers: it holds until the last of them exits.
+                pass_fds=held_lock_fds(),
             )
         self.starts += 1
 
@@ -152,10 +158,11 @@ class Proc:
             self.popen.wait()
 
 
-def _tail(path: Path, size: int = 65536) -> str:
+def _tail(path: Path, start: int, size: int = 65536) -> str:
+    """The last `size` bytes of a log, not before offset `start` (earlier launches' output)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            f.seek(max(start, f.seek(0, os.SEEK_END) - size))
             return f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -178,6 +185,7 @@ class Supervisor:
     """After a stop, the drafters get this long to checkpoint and exit before they are killed."""
     signals: int = 0
     metrics_offset: int = 0
+    launched_at: float = field(default_factory=time.time)
 
     def worker_args(self) -> list[str]:
         sets = [a for o in self.overrides for a in ("--set", o)]
@@ -229,7 +237,9 @@ class Supervisor:
             f"--rdzv-endpoint={self.rdzv_endpoint}",
             *(["--local-addr=127.0.0.1"] if self.rdzv_endpoint == LOCAL_ENDPOINT else []),
             f"--rdzv-id={self.cfg.pipeline.rdzv_id or self.cfg.run.name}",
-            f"--rdzv-conf=join_timeout={self.cfg.pipeline.rdzv_timeout_s}",
+            # join: waiting for every host; read: a host reaching host 0's store (default 60 s).
+            f"--rdzv-conf=join_timeout={self.cfg.pipeline.rdzv_timeout_s},"
+            f"read_timeout={self.cfg.pipeline.rdzv_timeout_s}",
             "--monitor-interval=0.5",
             "-m",
             "dflash.pipeline.drafter_worker",
@@ -285,6 +295,19 @@ class Supervisor:
                     )
                     self.drafters.kill_tree()
 
+    def group_formed(self) -> bool:
+        """Whether this launch's drafter group formed at least once: torchrun starts its workers
+        only after the rendezvous, and each worker's heartbeat records when it started."""
+        import json
+
+        for path in self.run.workers.glob("drafter-*.json"):
+            try:
+                if json.loads(path.read_text()).get("started_at", 0) >= self.launched_at:
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
+
     def shutdown(self, drafter_code: int) -> dict[str, Any]:
         for proc in self.targets:
             proc.signal(signal.SIGTERM)
@@ -298,14 +321,25 @@ class Supervisor:
             return {"reason": self.stopping, "drafter_exit_code": drafter_code}
         if drafter_code == 0:
             return {"reason": "completed", "drafter_exit_code": 0}
-        if self.drafters and "RendezvousTimeoutError" in _tail(self.drafters.log):
+        log = _tail(self.drafters.log, self.drafters.log_start) if self.drafters else ""
+        timeout = f"pipeline.rdzv_timeout_s={self.cfg.pipeline.rdzv_timeout_s}"
+        if "RendezvousConnectionError" in log:
             return {
-                "reason": f"the drafter group did not form: not all {self.nnodes} hosts joined the "
-                f"rendezvous at {self.rdzv_endpoint} within pipeline.rdzv_timeout_s="
-                f"{self.cfg.pipeline.rdzv_timeout_s}; start every host's command (see --plan) with the "
-                "same config and endpoint, or raise the timeout",
+                "reason": f"could not reach the rendezvous at {self.rdzv_endpoint} within {timeout}: "
+                "is host 0's launch running, and is that address reachable from this host?",
                 "drafter_exit_code": drafter_code,
             }
+        if "RendezvousTimeoutError" in log:
+            formed = self.group_formed()
+            reason = (
+                f"the drafter group lost a host and it did not rejoin the rendezvous at "
+                f"{self.rdzv_endpoint} within {timeout}; restart that host's command"
+                if formed
+                else f"the drafter group did not form: not all {self.nnodes} hosts joined the "
+                f"rendezvous at {self.rdzv_endpoint} within {timeout}; start every host's command "
+                "(see --plan) with the same config and endpoint, or raise the timeout"
+            )
+            return {"reason": reason, "drafter_exit_code": drafter_code}
         return {
             "reason": f"drafter group failed (exit code {drafter_code}) after up to "
             f"{self.cfg.pipeline.max_restarts} restarts; see logs/drafter-*.log",

@@ -116,6 +116,12 @@ def _clean(x: Any) -> Any:
 _HELD_LOCKS: list[int] = []
 
 
+def held_lock_fds() -> tuple[int, ...]:
+    """The run-dir lock fds this process holds: a launcher passes them to its workers, so the lock
+    lasts until the job's last process exits, not only its supervisor."""
+    return tuple(_HELD_LOCKS)
+
+
 class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -154,8 +160,8 @@ class RunDir:
         return self.root / "job.lock"
 
     def hold(self) -> None:
-        """Claim the run directory for this process's lifetime (an flock, released by the kernel when
-        the process exits, however it exits). A second job on the same directory, such as a relaunch
+        """Claim the run directory for this process's lifetime and that of the workers it passes the
+        lock to (an flock, released by the kernel when the last of them exits, however it exits). A second job on the same directory, such as a relaunch
         while the old supervisor is still stopping, would share its queue name and checkpoints and
         delete the other's files: it is refused, naming the holder."""
         import fcntl
@@ -167,8 +173,8 @@ class RunDir:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise DFlashError(
-                f"run directory {self.root} is in use by another job (pid {holder}); stop that job, or "
-                "pass another --run-dir"
+                f"run directory {self.root} is in use by another job (pid {holder}, or workers it "
+                "started); stop that job, or pass another --run-dir"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -205,22 +211,26 @@ SUPERVISOR_ENV = "DFLASH_SUPERVISOR"
 """Set by the launcher for its workers: "<pid>:<start time>" of the supervisor process."""
 
 
-def supervisor_token() -> str:
-    import psutil
+def _proc_stat(pid: int) -> tuple[str, str]:
+    """(state, start time in clock ticks since boot) from /proc/<pid>/stat. Unlike a wall-clock
+    create time, the start time does not move when the clock is stepped (NTP, VM resume)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], fields[19]
 
-    return f"{os.getpid()}:{psutil.Process().create_time()}"
+
+def supervisor_token() -> str:
+    return f"{os.getpid()}:{_proc_stat(os.getpid())[1]}"
 
 
 def supervisor_alive(token: str) -> bool:
-    """Whether the process named by a supervisor_token() still runs (the start time tells a reused
-    pid apart)."""
-    import psutil
-
+    """Whether the process named by a supervisor_token() still runs: same pid, same start (a reused
+    pid is told apart), and not a zombie (dead, only not yet reaped)."""
     pid, _, started = token.partition(":")
     try:
-        return str(psutil.Process(int(pid)).create_time()) == started
-    except (psutil.NoSuchProcess, ValueError):
+        state, start = _proc_stat(int(pid))
+    except (OSError, ValueError, IndexError):
         return False
+    return start == started and state not in ("Z", "X")
 
 
 class Heartbeat:

@@ -229,7 +229,20 @@ class DrafterSide:
         """Weights, optimizer, scheduler and step from a checkpoint; returns its saved state."""
         from dflash.checkpoint import load_checkpoint
 
-        weights, _, state = load_checkpoint(path, map_location=self.device)
+        weights, hf_config, state = load_checkpoint(path, map_location=self.device)
+        saved = {k: v for k, v in hf_config.items() if k != "torch_dtype"}
+        current = self.spec.to_hf_config()
+        differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        if differ:
+            # Same tensor shapes can still mean another drafter (other target layers, mask token,
+            # layer types): resuming would silently train a different model.
+            from dflash.errors import DFlashError
+
+            raise DFlashError(
+                f"checkpoint {path} is of a different drafter than this config resolves to "
+                f"(differs in: {', '.join(differ)}); resume with the config it was trained with, "
+                "or start a new --run-dir"
+            )
         self.trainer.load_state_dict(state["trainer"], weights)
         self.resumed_from = self.trainer.step
         return state

@@ -6,12 +6,14 @@ Points TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR at DIR/inductor and DIR/triton
 compiles anything, builds the drafter exactly as a drafter worker does (DrafterTrainer: the same
 apply_compile, attention backend, block masks, autocast; random drafter weights, which do not change
 the compiled code) and runs one real training step (forward, backward, optimizer) per shape bucket on
-synthetic tokens. With target.compile on, the target is loaded as a target worker loads it and runs
-its forward per bucket too, unpadded and padded (the two graphs a batch can take). Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
+synthetic tokens. With target.compile on, the drafter is then freed, the target is loaded as a target
+worker loads it, and it runs its forward per bucket, unpadded and padded (the two graphs a batch can
+take): "shape" events with part "target". Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
 
     {"event": "fingerprint", "key": ..., "fingerprint": {...}}
     {"event": "plan", "shapes": [[rows, length], ...]}
-    {"event": "shape", "index": i, "total": n, "shape": {"rows", "length"}, "seconds": s, "counters": {...}}
+    {"event": "shape", "part": "drafter"|"target", "index": i, "total": n, "shape": {"rows", "length"},
+     "seconds": s, "counters": {...}}
     {"event": "done", "seconds": s, "counters": {...}}
 
 and writes DIR/warm.json ({key, fingerprint, shapes, seconds, counters}). Compiling from more than
@@ -70,17 +72,6 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     _emit("plan", shapes=shapes)
     embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
     trainer = DrafterTrainer(cfg, spec, embed, head, device)
-    target = None
-    if cfg.target.compile:  # the target's regional compile is compiled code of this job too
-        from dflash.target import TargetCapture
-
-        target = TargetCapture(
-            target_path,
-            spec.target_layer_ids,
-            dtype=torch_dtype(cfg.target.dtype),
-            device=device,
-            compile=True,
-        )
     degraded: list[dict[str, str]] = []
     guard = KernelGuard(
         lambda kind, detail: degraded.append({"kind": kind, "detail": detail}),
@@ -88,31 +79,52 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     )
     start_counters = compile_counters()
     started = time.perf_counter()
-    per_shape = []
-    with guard:
+    per_shape: list[dict[str, Any]] = []
+
+    def each_shape(part: str, run_one: Any) -> None:
         for i, (rows, length) in enumerate(shapes, 1):
             before = compile_counters()
             t0 = time.perf_counter()
-            inputs = _synthetic_step_inputs(cfg, spec, rows, length, device)
-            trainer.train_step(*inputs)
-            record: dict[str, Any] = {"shape": {"rows": rows, "length": length}}
-            if target is not None:
+            run_one(_synthetic_step_inputs(cfg, spec, rows, length, device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            guard.check()
+            record = {
+                "part": part,
+                "shape": {"rows": rows, "length": length},
+                "seconds": round(time.perf_counter() - t0, 3),
+                "counters": counters_delta(before, compile_counters()),
+            }
+            per_shape.append(record)
+            _emit("shape", index=i, total=len(shapes), **record)
+
+    with guard:
+        each_shape("drafter", lambda inputs: trainer.train_step(*inputs))
+        if cfg.target.compile:  # the target's regional compile is compiled code of this job too
+            from dflash.target import TargetCapture
+
+            # In a job the target has a device of its own: free the drafter's first (weights,
+            # optimizer state, grads) so a large target fits beside nothing else.
+            del trainer, embed, head
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            target = TargetCapture(
+                target_path,
+                spec.target_layer_ids,
+                dtype=torch_dtype(cfg.target.dtype),
+                device=device,
+                compile=True,
+            )
+
+            def forward_both(inputs: tuple[Any, ...]) -> None:
                 # Both graphs a bucket can take: unpadded (causal mask only) and padded (a key mask).
-                t1 = time.perf_counter()
                 ids_BL, _, seq_lens_B, _ = inputs
                 target(ids_BL, seq_lens_B)
                 padded_B = seq_lens_B.clone()
                 padded_B[-1] -= 1
                 target(ids_BL, padded_B)
-                record["target_seconds"] = round(time.perf_counter() - t1, 3)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
-            guard.check()
-            record["seconds"] = round(seconds, 3)
-            record["counters"] = counters_delta(before, compile_counters())
-            per_shape.append(record)
-            _emit("shape", index=i, total=len(shapes), **record)
+
+            each_shape("target", forward_both)
     total = time.perf_counter() - started
     counters = counters_delta(start_counters, compile_counters())
     stats = {

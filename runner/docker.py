@@ -78,6 +78,23 @@ def run_python_source(host: str | None, image: str, source: str, *, timeout: flo
     """stdout of `python -` fed `source`, inside a fresh container of image (no network). On a host
     with an NVIDIA driver the container gets the GPUs, so what it reports (CUDA, driver, GPU names)
     is what a job in it would see."""
-    gpus = ["--gpus", "all"] if host_has_nvidia(host) else []
-    argv = ["docker", "run", "--rm", "-i", "--network", "none", *gpus, image, "python3", "-"]
-    return remote.run(host, argv, input=source.encode(), timeout=timeout).stdout
+    base = ["docker", "run", "--rm", "-i", "--network", "none"]
+    tail = [image, "python3", "-"]
+    if host_has_nvidia(host):
+        try:
+            return remote.run(
+                host, [*base, "--gpus", "all", *tail], input=source.encode(), timeout=timeout
+            ).stdout
+        except RunnerError as e:
+            if "could not select device driver" not in str(e):
+                raise
+            # A driver but no NVIDIA container toolkit: docker cannot pass GPUs at all. Say so, and
+            # report what a container does see.
+            from runner.console import err_console
+
+            err_console.print(
+                f"[yellow]warning:[/] {host or 'this machine'} has an NVIDIA driver but docker cannot "
+                "give containers GPUs (install the NVIDIA container toolkit); probing without GPUs",
+                highlight=False,
+            )
+    return remote.run(host, [*base, *tail], input=source.encode(), timeout=timeout).stdout

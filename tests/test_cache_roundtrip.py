@@ -138,8 +138,9 @@ def test_compiled_target_is_warmed_and_keyed(tmp_path: Path) -> None:
     bucket (unpadded and padded), the key changes with it, and a new process then misses nothing."""
     sets = ["--set", f"run.runs_root={tmp_path / 'runs'}", "--set", "target.compile=true"]
     cold = _warm(tmp_path, tmp_path / "cache", *sets)
-    shapes = [e for e in cold if e["event"] == "shape"]
-    assert shapes and all("target_seconds" in e for e in shapes)
+    parts = [(e["part"], e["shape"]["length"]) for e in cold if e["event"] == "shape"]
+    lengths = [length for part, length in parts if part == "drafter"]
+    assert lengths and parts == [("drafter", n) for n in lengths] + [("target", n) for n in lengths]
     plain = _warm(tmp_path, tmp_path / "plain", *sets[:2])
 
     def first(events: list[dict], kind: str) -> dict:

@@ -249,6 +249,16 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
     ]
     proc.kill()
     proc.wait()
+    # The run-dir lock lives on in the workers: while any of them runs, no second job may start.
+    import fcntl
+
+    with open(run.lock_path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            acquired = True
+        except BlockingIOError:
+            acquired = False
+        assert not (acquired and not all(_gone(pid) for pid in workers)), "lock free while workers run"
     deadline = time.time() + 120
     try:
         while not all(_gone(pid) for pid in workers) and time.time() < deadline:

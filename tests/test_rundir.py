@@ -1,6 +1,7 @@
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,25 @@ def test_read_jsonl_from_tails_without_rereading(tmp_path):
     with open(path, "a") as f:
         f.write("}\n")
     assert read_jsonl_from(path, off2)[0] == [{"step": 2}]
+
+
+def test_supervisor_token_tells_live_from_dead_and_zombie():
+    import subprocess
+
+    from dflash.rundir import supervisor_alive, supervisor_token
+
+    assert supervisor_alive(supervisor_token())
+    child = subprocess.Popen(["sleep", "0"])
+    token = f"{child.pid}:{supervisor_token().split(':')[1]}"  # a pid with someone else's start time
+    assert not supervisor_alive(token), "a reused pid is told apart by its start time"
+    deadline = time.time() + 10
+    while time.time() < deadline:  # exited, not reaped: a zombie is dead
+        if Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    from dflash.rundir import _proc_stat
+
+    zombie = f"{child.pid}:{_proc_stat(child.pid)[1]}"
+    assert not supervisor_alive(zombie)
+    child.wait()
+    assert not supervisor_alive(zombie) and not supervisor_alive("garbage")

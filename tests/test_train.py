@@ -157,3 +157,15 @@ def test_sigterm_checkpoints_and_stops(repo, tmp_path):
     stopped = run.read_events("stopped")[-1]
     assert stopped["reason"] == "signal SIGTERM"
     assert run.read_events("checkpoint")[-1]["step"] == stopped["step"] > 0
+
+
+def test_resume_refuses_a_checkpoint_of_another_drafter(repo, tmp_path):
+    """Same tensor shapes, different drafter (another mask token): resuming would silently train
+    something else, so it is refused, naming what differs."""
+    runs, run_dir = tmp_path / "runs", tmp_path / "runs" / "r"
+    first = _train(repo, runs, run_dir, "--set", "train.total_steps=4")
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out
+    again = _train(repo, runs, run_dir, "--set", "train.total_steps=8", "--set", "drafter.mask_token_id=5")
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 2 and "different drafter" in out and "dflash_config" in out, out

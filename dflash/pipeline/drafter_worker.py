@@ -96,15 +96,15 @@ def group_result(g: Group, r: Any) -> Any:
 
     if g.world == 1:
         return r
+    trained = r.block_tokens > 0  # a rank with no trained positions has no loss to average in
     accs = [r.acc, *r.acc_per_pos]
-    vals = [float(r.tokens), r.loss]
+    vals = [float(r.tokens), r.loss if trained else 0.0, float(trained)]
     vals += [0.0 if math.isnan(a) else a for a in accs] + [0.0 if math.isnan(a) else 1.0 for a in accs]
     tot = g.all_reduce(vals, "sum")
     n = len(accs)
-    means = [s / c if c else math.nan for s, c in zip(tot[2 : 2 + n], tot[2 + n :], strict=True)]
-    return dataclasses.replace(
-        r, tokens=int(tot[0]), loss=tot[1] / g.world, acc=means[0], acc_per_pos=means[1:]
-    )
+    means = [s / c if c else math.nan for s, c in zip(tot[3 : 3 + n], tot[3 + n :], strict=True)]
+    loss = tot[1] / tot[2] if tot[2] else math.nan
+    return dataclasses.replace(r, tokens=int(tot[0]), loss=loss, acc=means[0], acc_per_pos=means[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

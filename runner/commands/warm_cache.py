@@ -46,7 +46,8 @@ def _progress(event: dict[str, Any]) -> None:
     elif kind == "shape":
         c = event.get("counters", {})
         console.print(
-            f"  [{event.get('index')}/{event.get('total')}] {json.dumps(event.get('shape'))}: "
+            f"  {event.get('part', 'drafter')} [{event.get('index')}/{event.get('total')}] "
+            f"{json.dumps(event.get('shape'))}: "
             f"{event.get('seconds', 0):.1f} s, fxgraph hits {c.get('fxgraph_hits', 0)} misses "
             f"{c.get('fxgraph_misses', 0)}",
             highlight=False,
