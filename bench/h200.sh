@@ -12,6 +12,8 @@
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 30 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
+#  d2. only with H200_ONLY=compile_cache_8b (a call of its own, up to 540 s): the same round trip for
+#      configs/qwen3-8b.toml on the random 8B-size target -> $OUT/compile_cache_8b.json
 #   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 300 s (log: pipeline.log)
 #      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
 #      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
@@ -74,22 +76,23 @@ step head_loss "$(budget 30 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
 # empty dir after checking the fingerprint against this interpreter, then a NEW process compiling the
 # same steps on the restored dir must report hits and no misses.
+# cache_roundtrip CONFIG RESULT_JSON [--set k=v ...]
 cache_roundtrip() {
+  local config=$1 result=$2; shift 2
   local scratch; scratch=$(mktemp -d "$WORK/cache-XXXXXX")   # 0700: the store refuses looser parents
   export XDG_CACHE_HOME="$scratch/xdg-cache" XDG_CONFIG_HOME="$scratch/xdg-config"
   unset DFLASH_CACHE_STORE DFLASH_CACHE_SIGNING_KEY
-  local sets=(--set "run.runs_root=$scratch/runs")
-  if [ "$GPU" = 1 ]; then sets+=(--set run.device=cuda --set attention.backend=flex); fi
+  local sets=(--set "run.runs_root=$scratch/runs" "$@")
   local pyabs; pyabs=$(command -v "$PY")
-  "$PY" -m runner.cli warm-cache configs/demo-cpu.toml --python "$pyabs" "${sets[@]}" \
+  "$PY" -m runner.cli warm-cache "$config" --python "$pyabs" "${sets[@]}" \
     --store "$scratch/store" --json > "$scratch/warm.json" || { echo "warm-cache failed"; return 1; }
   local key; key=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["key"])' "$scratch/warm.json")
   echo "artifact $key"
   "$PY" -m runner.cli cache restore "$key" --store "$scratch/store" --dest "$scratch/restored/cache" \
-    --python "$pyabs" --config configs/demo-cpu.toml "${sets[@]}" || { echo "restore failed"; return 1; }
-  "$PY" -m dflash.warm configs/demo-cpu.toml --out "$scratch/restored/cache" "${sets[@]}" \
+    --python "$pyabs" --config "$config" "${sets[@]}" || { echo "restore failed"; return 1; }
+  "$PY" -m dflash.warm "$config" --out "$scratch/restored/cache" "${sets[@]}" \
     > "$scratch/again.jsonl" || { echo "warm run on the restored dir failed"; return 1; }
-  "$PY" - "$scratch/warm.json" "$scratch/again.jsonl" "$OUT/compile_cache.json" "$GPU" <<'EOF'
+  "$PY" - "$scratch/warm.json" "$scratch/again.jsonl" "$result" "$GPU" <<'EOF'
 import json, sys
 warm = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 events = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
@@ -115,8 +118,29 @@ EOF
   return $rc
 }
 export GPU PY WORK OUT
+DEMO_SETS=""; [ "$GPU" = 1 ] && DEMO_SETS="--set run.device=cuda --set attention.backend=flex"
 step compile_cache "$(budget 85 "$PIPELINE_MIN_S")" "$OUT/cache.log" \
-  bash -c "$(declare -f cache_roundtrip); cache_roundtrip"
+  bash -c "$(declare -f cache_roundtrip); cache_roundtrip configs/demo-cpu.toml $OUT/compile_cache.json $DEMO_SETS"
+
+# (d2) only when asked (H200_ONLY=compile_cache_8b; it needs a call of its own): every shape of the
+# qwen3-8b config warmed cold, restored, and compiled again in a new process. The drafter needs the
+# target's config, tokenizer, embedding and head: the random 8B-size target of bench/pipeline.py.
+cache_8b() {
+  local target
+  target=$("$PY" bench/pipeline.py --work "$WORK" --make-target-only $([ "$GPU" = 1 ] || echo --tiny)) \
+    || { echo "building the target failed"; return 1; }
+  local sets=(--set "target.path=$target" --set "drafter.mask_token_id=-1")   # the tokenizer's mask
+  if [ "$GPU" = 0 ]; then   # CPU smoke: the same config at a size a CPU finishes
+    sets+=(--set run.device=cpu --set target.dtype=float32 --set attention.backend=sdpa
+           --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64
+           --set train.token_budget=256 --set train.max_batch_size=4 --set train.num_anchors=8)
+  fi
+  cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
+}
+if [[ " ${H200_ONLY:-} " == *" compile_cache_8b "* ]]; then
+  step compile_cache_8b "$(budget 540)" "$OUT/cache.log" \
+    bash -c "$(declare -f cache_roundtrip cache_8b); cache_8b"
+fi
 
 # (e) the pipeline benchmark gets what is left; it shortens its end-to-end run to fit --budget-s.
 PIPE_S=$(budget 9999)
@@ -125,7 +149,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention drafter_step head_loss compile_cache pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention drafter_step head_loss compile_cache compile_cache_8b pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -149,9 +173,10 @@ for r in (d or {}).get("results", []):
 h = load("head_loss.json")
 for r in (h or {}).get("results", []):
     print(f"  head_loss {r['variant']:28} {r['ms']:8.2f} ms  {r['tflops']:6.1f} TFLOP/s")
-c = load("compile_cache.json")
-if c:
-    print(f"  compile cache: cold {c['cold_compile_s']:.1f} s, restored {c['restored_compile_s']:.1f} s, all hits {c['all_hits']}")
+for name in ("compile_cache.json", "compile_cache_8b.json"):
+    c = load(name)
+    if c:
+        print(f"  {name}: cold {c['cold_compile_s']:.1f} s, restored {c['restored_compile_s']:.1f} s, all hits {c['all_hits']}")
 a = load("attention.json")
 if a:
     print(f"  attention.json: {len(json.dumps(a))} bytes")

@@ -89,6 +89,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--records", type=int, default=512, help="data records (each truncated to --seq-len)")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument(
+        "--make-target-only",
+        action="store_true",
+        help="build (or reuse) the random target under --work, print its directory, and exit",
+    )
+    ap.add_argument(
         "--target-compile",
         action="store_true",
         help="compile the target's decoder layers (target.compile = true) in every phase",
@@ -476,6 +481,9 @@ def main() -> None:
         work / ("target-tiny" if args.tiny else "target-qwen3-8b"), spec, "cpu" if args.tiny else "cuda"
     )
     free_device(device)  # the random model built for saving is gone once make_target returns
+    if args.make_target_only:
+        print(target_dir)
+        return
     from transformers import AutoTokenizer
 
     mask_id = int(AutoTokenizer.from_pretrained(str(target_dir)).mask_token_id)
