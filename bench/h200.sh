@@ -9,12 +9,12 @@
 #   a. pytest -m gpu -q tests/          -> $OUT/pytest.log             <= 75 s
 #   b. bench/attention.py               -> $OUT/attention.json         <= 40 s   (log: benches.log)
 #   c. bench/drafter_step.py            -> $OUT/drafter_step.json      <= 70 s   (log: benches.log)
-#      bench/head_loss.py               -> $OUT/head_loss.json         <= 30 s   (log: benches.log)
+#      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
 #  d2. only with H200_ONLY=compile_cache_8b (a call of its own, up to 540 s): the same round trip for
 #      configs/qwen3-8b.toml on the random 8B-size target -> $OUT/compile_cache_8b.json
-#   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 300 s (log: pipeline.log)
+#   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 280 s (log: pipeline.log)
 #      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
 #      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
 # A step that overruns its cap is cut by `timeout`; the caps of later steps are always kept for them.
@@ -23,7 +23,7 @@ set -u
 OUT=${OUT:?set OUT to the results directory}
 PY=${PYTHON:-python}
 TOTAL_S=${H200_TOTAL_S:-570}        # the device call's 600 s minus slack for start-up and copying back
-PIPELINE_MIN_S=${H200_PIPELINE_MIN_S:-300}
+PIPELINE_MIN_S=${H200_PIPELINE_MIN_S:-280}
 WORK=${DFLASH_BENCH_WORK:-/tmp/dflash-bench}   # scratch: the 16 GB random target lives here (reused)
 mkdir -p "$OUT" "$WORK"
 cd "$(dirname "$0")/.." || exit 1
@@ -62,15 +62,15 @@ step() {
 }
 
 # (a) GPU tests (they skip themselves without a GPU)
-step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 30 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
+step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 20 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
 
 # (b), (c) kernel and drafter-step benchmarks
-step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 30 + 85)))" "$OUT/benches.log" \
+step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 20 + 85)))" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
-step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 30 + 85)))" "$OUT/benches.log" \
+step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 20 + 85)))" "$OUT/benches.log" \
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --out "$OUT/drafter_step.json"
-HEAD_ARGS=(); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
-step head_loss "$(budget 30 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
+HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
+step head_loss "$(budget 20 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
   "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json"
 
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
