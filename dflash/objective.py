@@ -138,15 +138,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
             if not (want_h or want_w):
                 continue
             # In place on the logits: softmax, minus one-hot, times the token weight.
-            g_CV = logits_CV.sub_(lse_C[:, None]).exp_()
-            g_CV.scatter_add_(1, y_C[:, None], torch.full_like(picked_C[:, None], -1.0))
-            g_CV.mul_(w_C[:, None])
-            g_CV = g_CV.to(mm_dtype)
+            logits_CV.sub_(lse_C[:, None]).exp_()
+            logits_CV.scatter_add_(1, y_C[:, None], torch.full_like(picked_C[:, None], -1.0))
+            logits_CV.mul_(w_C[:, None])
+            g_CV = logits_CV.to(mm_dtype)
+            del logits_CV  # the fp32 [chunk, vocab] buffer (5 GB at 8192 x 152K) goes before the matmuls
             if grad_h_NH is not None:
                 grad_h_NH[start:end] = (g_CV @ w_VH).to(hidden_NH.dtype)
             if grad_w_VH is not None:
                 grad_w_VH += (g_CV.t() @ h_CH).to(ce_dtype)
-            del logits_CV, g_CV
+            del g_CV
         ctx.save_for_backward(*(t for t in (grad_h_NH, grad_w_VH) if t is not None))
         ctx.weight_dtype = head_weight_VH.dtype
         ctx.mark_non_differentiable(correct_N)
