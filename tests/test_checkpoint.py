@@ -71,3 +71,53 @@ def test_trainer_state_loads_on_cpu_whatever_the_weights_device(tmp_path):
     assert state["anchor_gen"].device.type == "cpu"
     torch.Generator().set_state(state["anchor_gen"])
     set_rng_state(state["rng"])
+
+
+def test_export_makes_a_servable_bf16_drafter(tmp_path):
+    import pytest
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    from dflash.config import DrafterConfig
+    from dflash.errors import DFlashError
+    from dflash.export import main as export_main
+    from dflash.model import DrafterSpec, resolve_spec
+
+    target = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    spec = resolve_spec(DrafterConfig(num_layers=2, num_target_layers=2), target, mask_token_id=60)
+    weights = {"fc.weight": torch.randn(32, 64), "norm.weight": torch.rand(32)}
+    run = tmp_path / "run"
+    for step in (2, 4):
+        save_checkpoint(
+            run / "checkpoints",
+            step,
+            weights=weights,
+            hf_config=spec.to_hf_config(),
+            trainer_state={"step": step},
+            keep_last=2,
+        )
+    out = tmp_path / "served"
+    assert export_main([str(run), str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    got = load_file(str(out / "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in got.values())
+    assert torch.equal(got["fc.weight"], weights["fc.weight"].bfloat16())
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and DrafterSpec.from_hf_config(config) == spec
+
+    assert export_main([str(run), str(out)]) == 2, "an existing output is not overwritten silently"
+    assert export_main([str(run / "checkpoints" / "step-2"), str(out), "--force", "--dtype", "float32"]) == 0
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".served")], "no temp dirs left"
+    with pytest.raises(DFlashError, match="neither a checkpoint"):
+        from dflash.export import export
+
+        export(tmp_path / "nothing", tmp_path / "x")
