@@ -81,7 +81,7 @@ def test_export_makes_a_servable_bf16_drafter(tmp_path):
     from dflash.config import DrafterConfig
     from dflash.errors import DFlashError
     from dflash.export import main as export_main
-    from dflash.model import DrafterSpec, resolve_spec
+    from dflash.model import DFlashDrafter, DrafterSpec, resolve_spec
 
     target = Qwen3Config(
         vocab_size=64,
@@ -93,7 +93,8 @@ def test_export_makes_a_servable_bf16_drafter(tmp_path):
         head_dim=8,
     )
     spec = resolve_spec(DrafterConfig(num_layers=2, num_target_layers=2), target, mask_token_id=60)
-    weights = {"fc.weight": torch.randn(32, 64), "norm.weight": torch.rand(32)}
+    embed, head = torch.randn(64, 32), torch.randn(64, 32)
+    weights = DFlashDrafter(spec, embed, head, backend="sdpa").trainable_state_dict()
     run = tmp_path / "run"
     for step in (2, 4):
         save_checkpoint(
@@ -110,6 +111,12 @@ def test_export_makes_a_servable_bf16_drafter(tmp_path):
     got = load_file(str(out / "model.safetensors"))
     assert all(v.dtype == torch.bfloat16 for v in got.values())
     assert torch.equal(got["fc.weight"], weights["fc.weight"].bfloat16())
+    served = DFlashDrafter(
+        DrafterSpec.from_hf_config(json.loads((out / "config.json").read_text())), embed, head, backend="sdpa"
+    )
+    missing, unexpected = served.load_state_dict({k: v.float() for k, v in got.items()}, strict=False)
+    assert not unexpected and all(k.startswith("rotary_emb.") for k in missing), (missing, unexpected)
+    assert set(got) == set(served.trainable_state_dict()), "every drafter weight, named as the model names it"
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and DrafterSpec.from_hf_config(config) == spec
 
