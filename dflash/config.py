@@ -377,3 +377,24 @@ def load_config(
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:
     return _build(JobConfig, json.loads(json.dumps(data)))
+
+
+def add_config_args(
+    parser: Any,
+    *,
+    run_dir: str | None = "run directory; an existing one is resumed",
+    run_dir_required: bool = False,
+) -> None:
+    """The arguments every job entry point shares: CONFIG, repeatable --set KEY=VALUE (into
+    `overrides`, applied by load_config after the file) and, unless run_dir is None, --run-dir."""
+    parser.add_argument("config", help="job config (TOML), e.g. configs/demo-cpu.toml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.total_steps=50 (repeatable)",
+    )
+    if run_dir is not None:
+        parser.add_argument("--run-dir", required=run_dir_required, help=run_dir)

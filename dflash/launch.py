@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.config import JobConfig, load_config
+from dflash.config import JobConfig, add_config_args, load_config
 from dflash.errors import DFlashError
 from dflash.rundir import (
     SUPERVISOR_ENV,
@@ -39,16 +39,7 @@ from dflash.rundir import (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="job config (TOML), e.g. configs/qwen3-8b.toml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set pipeline.drafters=3 (repeatable)",
-    )
-    p.add_argument("--run-dir", help="run directory (this host's); an existing one is resumed")
+    add_config_args(p, run_dir="run directory (this host's); an existing one is resumed")
     p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     p.add_argument(

@@ -15,23 +15,14 @@ import sys
 import time
 from typing import Any
 
-from dflash.config import JobConfig, load_config
+from dflash.config import JobConfig, add_config_args, load_config
 from dflash.errors import DFlashError
 from dflash.rundir import Heartbeat, RunDir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="job config (TOML), e.g. configs/demo-cpu.toml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.total_steps=50 (repeatable)",
-    )
-    p.add_argument("--run-dir", help="run directory; an existing one is resumed")
+    add_config_args(p)
     return p.parse_args(argv)
 
 

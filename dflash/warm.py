@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.compile_cache import counters_delta, use_cache_dir
+from dflash.config import add_config_args
 
 WARM_STATS = "warm.json"
 
@@ -145,16 +146,15 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash.warm", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="job config (TOML)")
+    add_config_args(p, run_dir=None)
     p.add_argument("--out", required=True, help="cache dir to fill: DIR/inductor, DIR/triton, DIR/warm.json")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     out = use_cache_dir(args.out)  # before torch is imported: inductor must never see another dir
     from dflash.config import load_config
     from dflash.errors import DFlashError
 
     try:
-        cfg = load_config(args.config, args.sets)
+        cfg = load_config(args.config, args.overrides)
         # Everything but our JSON lines goes to stderr, so the runner's parser sees only events.
         with contextlib.redirect_stdout(sys.stderr):
             warm(cfg, out)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from dflash.attention.mask import dflash_mask_mod
+from dflash.attention.mask import dflash_mask_mod, layer_masks
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
 # create_block_mask runs eagerly: at the production shape (8192 queries x 11264 keys) the compiled
@@ -46,14 +46,14 @@ class FlexBackend:
         B, A = anchors_BA.shape
         q_len, kv_len = A * block_size, context_len + A * block_size
         plans = {}
-        for w in set(windows):
+        for w, causal in layer_masks(windows, sliding_causal).items():
             mask_mod = dflash_mask_mod(
                 anchors_BA,
                 seq_lens_B,
                 context_len=context_len,
                 block_size=block_size,
                 window=w,
-                causal_block=sliding_causal and w is not None,
+                causal_block=causal,
             )
             plans[w] = self._block_mask(mask_mod, B, None, q_len, kv_len, device=anchors_BA.device)
         return plans

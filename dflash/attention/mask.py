@@ -12,12 +12,18 @@ and nothing else. An invalid block (anchor -1) sees only its own block, so no ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def layer_masks(windows: Iterable[int | None], sliding_causal: bool) -> dict[int | None, bool]:
+    """{window: causal_block} for each distinct layer type: one plan per entry, shared by every layer
+    of that type. Only sliding layers (window not None) can be causal inside the block."""
+    return {w: sliding_causal and w is not None for w in set(windows)}
 
 
 def mask_name(block_size: int, window: int | None, causal_block: bool = False) -> str:

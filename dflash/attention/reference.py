@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from dflash.attention.mask import dense_mask
+from dflash.attention.mask import dense_mask, layer_masks
 
 
 class EagerBackend:
@@ -32,9 +32,9 @@ class EagerBackend:
                 context_len=context_len,
                 block_size=block_size,
                 window=w,
-                causal_block=sliding_causal and w is not None,
+                causal_block=causal,
             )[:, None]
-            for w in set(windows)
+            for w, causal in layer_masks(windows, sliding_causal).items()
         }
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, mask_B1QL: Tensor) -> Tensor:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.attention.mask import layer_masks
+
 
 @dataclass(kw_only=True, slots=True)
 class ChunkPlan:
@@ -49,10 +51,8 @@ class SdpaBackend:
         sliding_causal: bool = False,
     ) -> dict[int | None, ChunkPlan]:
         return {
-            w: self._plan(
-                anchors_BA, seq_lens_B, context_len, block_size, w, sliding_causal and w is not None
-            )
-            for w in set(windows)
+            w: self._plan(anchors_BA, seq_lens_B, context_len, block_size, w, causal)
+            for w, causal in layer_masks(windows, sliding_causal).items()
         }
 
     def _plan(

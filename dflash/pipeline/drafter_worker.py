@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.config import JobConfig, load_config
+from dflash.config import JobConfig, add_config_args, load_config
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 
@@ -109,9 +109,7 @@ def group_result(g: Group, r: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.pipeline.drafter_worker")
-    p.add_argument("config")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--run-dir", required=True)
+    add_config_args(p, run_dir="the job's run directory", run_dir_required=True)
     p.add_argument("--queue", required=True)
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dflash.config import JobConfig, load_config
+from dflash.config import JobConfig, add_config_args, load_config
 from dflash.rundir import Heartbeat, RunDir, atomic_write_json
 from dflash.trainer import pad_batch
 
@@ -65,9 +65,7 @@ class Prefetcher:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.pipeline.target_worker")
-    p.add_argument("config")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--run-dir", required=True)
+    add_config_args(p, run_dir="the job's run directory", run_dir_required=True)
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--queue", required=True)
     p.add_argument("--device", default=None)

@@ -14,9 +14,16 @@ from runner import remote
 from runner.errors import RunnerError
 
 
-def variant_image(variant: str) -> str:
-    """The image `dflashctl build --variant V` tags (Dockerfile.<V>)."""
-    return f"dflash:{variant}"
+def job_image(image: str | None, variant: str | None) -> str | None:
+    """The image a job environment runs in: --image as given, or for --variant V the image
+    `dflashctl build --variant V` tags (dflash:<V>, its newest build); None for neither."""
+    if image and variant:
+        raise RunnerError("pass --image or --variant, not both")
+    if variant:
+        from runner.envs import load_variant
+
+        return f"dflash:{load_variant(variant).name}"
+    return image
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,7 +17,7 @@ from runner.cache.errors import IntegrityError
 from runner.cache.restore import format_differences, restore
 from runner.cache.signing import check_signature, load_keyring
 from runner.cache.store import STORE_ENV, Artifact, Store, parse_age
-from runner.cache.target import JobEnv, job_fingerprint, variant_image
+from runner.cache.target import JobEnv, job_fingerprint, job_image
 from runner.cache.verify import verify_artifact
 from runner.console import cli_errors, console, err_console
 from runner.errors import RunnerError
@@ -204,12 +204,7 @@ def restore_cmd(
 ) -> None:
     """Verify an artifact, check it against the destination environment, and swap it in safely."""
     with cli_errors():
-        if image and variant:
-            raise RunnerError("pass --image or --variant, not both")
-        if variant:
-            from runner.envs import load_variant
-
-            image = variant_image(load_variant(variant).name)
+        image = job_image(image, variant)
         st = Store(store)
         env = JobEnv(python=python or (sys.executable if image is None else "python3"), image=image)
         cfg_arg = None

@@ -11,7 +11,7 @@ import typer
 
 from runner.cache.signing import load_keyring
 from runner.cache.store import STORE_ENV, Store
-from runner.cache.target import JobEnv, variant_image
+from runner.cache.target import JobEnv, job_image
 from runner.cache.warmrun import warm_cache
 from runner.console import cli_errors, console
 from runner.docker import host_has_nvidia
@@ -83,12 +83,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compile the job's real code paths for every shape the config can produce; save the cache."""
         with cli_errors():
-            if image and variant:
-                raise RunnerError("pass --image or --variant, not both")
-            if variant:
-                from runner.envs import load_variant
-
-                image = variant_image(load_variant(variant).name)
+            image = job_image(image, variant)
             # Locally the default job environment is dflashctl's own; on a host or in an image, python3.
             local = host is None and image is None
             env = JobEnv(python=python or (sys.executable if local else "python3"), host=host, image=image)
