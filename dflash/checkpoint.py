@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.rundir import install_dir
+
 _STEP_RE = re.compile(r"^step-(\d+)$")
 REQUIRED = ("model.safetensors", "config.json", "trainer.pt", "meta.json")
 
@@ -90,9 +92,7 @@ def save_checkpoint(
         for name in REQUIRED:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():  # a re-save of the same step (after a restart) replaces the old copy
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        install_dir(tmp, final)  # a re-save of the same step (after a restart) replaces the old copy
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import tempfile
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,6 +21,7 @@ import torch
 
 from dflash.config import DataConfig
 from dflash.errors import DFlashError
+from dflash.rundir import atomic_write_bytes
 from dflash.tokenizer import RecordError, Tokenizer
 
 CACHE_FORMAT = "tokcache-v1"
@@ -197,18 +196,10 @@ def cache_key(path: Path, cfg: DataConfig, tok: Tokenizer) -> str:
 
 
 def _save_cache(ds: TokenizedDataset, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     meta = json.dumps({"skipped": ds.skipped, "truncated": ds.truncated, "pad_token_id": ds.pad_token_id})
     buf = io.BytesIO()
     np.savez(buf, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets, meta=np.array(meta))
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(target, buf.getvalue())
 
 
 def _load_cache(target: Path) -> TokenizedDataset | None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.rundir import atomic_write_bytes, install_dir
 
 _COLORS = ["red", "blue", "green", "small", "old", "happy"]
 _ANIMALS = ["cat", "dog", "bird", "fox", "horse", "fish"]
@@ -72,18 +73,6 @@ def demo_records(n_records: int, seed: int) -> list[dict[str, object]]:
     return records
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_demo_corpus(path: Path, n_records: int = 2000, seed: int = 0) -> Path:
     """Write the demo JSONL (deterministic in n_records and seed). Rewriting the same bytes keeps the
     tokenized-data cache valid because the cache is keyed by content, not mtime."""
@@ -91,7 +80,7 @@ def write_demo_corpus(path: Path, n_records: int = 2000, seed: int = 0) -> Path:
     text = "".join(json.dumps(r) + "\n" for r in demo_records(n_records, seed))
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return path
-    _atomic_write_text(path, text)
+    atomic_write_bytes(path, text.encode("utf-8"))
     return path
 
 
@@ -265,11 +254,6 @@ def _build_tiny_target(
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(json.dumps(spec))
-        if path.exists():
-            # A stale or incomplete one: move it aside before replacing (rename is atomic, rmtree is not).
-            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
-            os.replace(path, aside / "old")
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(tmp, path)
+        install_dir(tmp, path)  # replaces a stale or incomplete one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.rundir import install_dir
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -59,11 +60,7 @@ def export(src: Path, out: Path, *, dtype: str = "bfloat16", force: bool = False
         (tmp / "config.json").write_text(
             json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n"
         )
-        if out.exists():  # --force: the old one goes only now that the new one is whole
-            aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            out.rename(aside / "old")
-            shutil.rmtree(aside, ignore_errors=True)
-        tmp.rename(out)
+        install_dir(tmp, out)  # --force: the old one goes only now that the new one is whole
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -90,6 +90,24 @@ def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
     return largest + (1 << 16)  # headers and alignment
 
 
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant. torchrun starts its workers in sessions of their own,
+    so killing a process group alone would orphan them (holding GPUs); the descendants are listed
+    before anything dies (an orphan is re-parented and can no longer be found from its parent)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 @dataclass
 class Proc:
     name: str
@@ -126,25 +144,12 @@ class Proc:
                 pass
 
     def kill_tree(self, *, wait: bool = True) -> None:
-        """SIGKILL the process and every descendant: torchrun starts its workers in sessions of
-        their own, so killing its process group alone would orphan them (holding GPUs).
-        wait=False inside a signal handler: the interrupted main thread may hold Popen's
-        non-reentrant wait lock (inside poll()), and waiting there would deadlock; the main loop
-        reaps the process."""
-        import psutil
-
+        """kill_process_tree on this worker. wait=False inside a signal handler: the interrupted
+        main thread may hold Popen's non-reentrant wait lock (inside poll()), and waiting there
+        would deadlock; the main loop reaps the process."""
         if self.popen is None:
             return
-        try:
-            procs = [psutil.Process(self.popen.pid)]
-            procs += procs[0].children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_process_tree(self.popen.pid)
         if wait:
             self.popen.wait()
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import tempfile
@@ -53,6 +54,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def install_dir(tmp: Path, final: Path) -> None:
+    """Rename a fully written directory `tmp` into place at `final` (same filesystem). An existing
+    `final` is first renamed aside and only then deleted: at every instant `final` is either the
+    old complete directory or the new one, never a half-deleted mix."""
+    if final.exists():
+        aside = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.old-"))
+        os.replace(final, aside / "old")
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(tmp, final)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

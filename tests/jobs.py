@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
+from dflash.launch import kill_process_tree
 
 STARTED: list[subprocess.Popen[str]] = []
 """Every job a test started; conftest kills what is left of them after each test, so a failed test
@@ -15,19 +15,8 @@ cannot leave a training job loading the 2 CI cores for the rest of the run."""
 
 
 def kill_tree(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL a launcher and every descendant. The workers run in their own sessions, so a signal to
-    the launcher alone would orphan them; descendants are listed before anything dies (an orphan
-    is re-parented and can no longer be found from the launcher)."""
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    """The job's own kill_process_tree (workers run in sessions of their own), then reap."""
+    kill_process_tree(proc.pid)
     try:
         proc.communicate(timeout=30)
     except (subprocess.TimeoutExpired, ValueError):
