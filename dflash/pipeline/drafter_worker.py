@@ -17,6 +17,9 @@ step that every rank can read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
 import signal
 import sys
@@ -73,13 +76,9 @@ class Group:
 
 def _target_q_pre(run: RunDir) -> list[int]:
     """q_pre of this host's targets, in index order (host N's are numbered N*T .. N*T+T-1)."""
-    import json
-
     out = []
-    beats = sorted(run.workers.glob("target-*.json"), key=lambda p: int(p.stem.split("-")[1].split(".")[0]))
-    for path in beats:
-        if path.name.endswith(".data.json"):
-            continue
+    beats = [p for p in run.workers.glob("target-*.json") if not p.name.endswith(".data.json")]
+    for path in sorted(beats, key=lambda p: int(p.stem.split("-")[1])):
         try:
             out.append(int(json.loads(path.read_text()).get("q_pre", 0)))
         except (OSError, ValueError):
@@ -91,9 +90,6 @@ def group_result(g: Group, r: Any) -> Any:
     """The step as the whole group took it: tokens summed over ranks, loss and accuracies averaged
     (over the ranks that had trained positions). Rank 0's metrics then speak for the group, and
     tok_s is the job's throughput, not one rank's share."""
-    import dataclasses
-    import math
-
     if g.world == 1:
         return r
     trained = r.block_tokens > 0  # a rank with no trained positions has no loss to average in
