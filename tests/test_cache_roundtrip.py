@@ -40,6 +40,19 @@ def _events(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+def _warm(tmp_path: Path, out: Path, *sets: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.warm", str(CONFIG), "--out", str(out), *sets],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _events(proc.stdout)
+
+
 def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.RecordProperty) -> None:
     runs = f"run.runs_root={tmp_path / 'runs'}"
     warm = _cli(tmp_path, "warm-cache", str(CONFIG), "--python", sys.executable, "--set", runs, "--json")
@@ -75,16 +88,7 @@ def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.R
     assert json.loads((dest / "artifact.json").read_text())["key"] == key
 
     # A new process compiling the same step with the restored dir: all hits, no misses.
-    again = subprocess.run(
-        [sys.executable, "-m", "dflash.warm", str(CONFIG), "--out", str(dest), "--set", runs],
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path),
-        cwd=tmp_path,
-        timeout=900,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    done = next(e for e in _events(again.stdout) if e["event"] == "done")
+    done = next(e for e in _warm(tmp_path, dest, "--set", runs) if e["event"] == "done")
     c = done["counters"]
     assert c["fxgraph_misses"] == 0 and c["autograd_misses"] == 0, c
     # Every lookup the cold run made (a miss, or a hit on a graph it had compiled itself) is a hit now.
@@ -118,19 +122,6 @@ def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.R
     )
     assert other.returncode == 1 and "job.shapes" in other.stderr, other.stderr
     assert not (tmp_path / "other").exists()
-
-
-def _warm(tmp_path: Path, out: Path, *sets: str) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash.warm", str(CONFIG), "--out", str(out), *sets],
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path),
-        cwd=tmp_path,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _events(proc.stdout)
 
 
 def test_compiled_target_is_warmed_and_keyed(tmp_path: Path) -> None:

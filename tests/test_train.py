@@ -31,6 +31,25 @@ def _train(repo: Path, runs: Path, run_dir: Path, *extra: str) -> subprocess.Pop
     return start_job("dflash.train", repo, runs, run_dir, *FAST, *extra)
 
 
+def _train_once(repo: Path, runs: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m dflash.train` on the demo config, to completion (for runs that fail early)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash.train",
+            str(repo / "configs" / "demo-cpu.toml"),
+            "--set",
+            f"run.runs_root={runs}",
+            *args,
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
     runs = tmp_path / "runs"
     run_dir = runs / "r1"
@@ -95,24 +114,7 @@ def test_run_dir_contract_and_resume_after_sigkill(repo, tmp_path):
 def test_bad_data_fails_before_model_load(repo, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash.train",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--set",
-            f"data.path={empty}",
-            "--set",
-            f"run.runs_root={tmp_path}",
-            "--run-dir",
-            str(tmp_path / "r"),
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _train_once(repo, tmp_path, "--set", f"data.path={empty}", "--run-dir", str(tmp_path / "r"))
     assert out.returncode == 2
     assert "error:" in out.stderr and "empty.jsonl" in out.stderr
     assert not (tmp_path / "r" / "checkpoints").exists() or not any(
@@ -121,22 +123,7 @@ def test_bad_data_fails_before_model_load(repo, tmp_path):
 
 
 def test_config_error_names_key(repo, tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash.train",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--set",
-            "train.token_budget=-5",
-            "--set",
-            f"run.runs_root={tmp_path}",
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _train_once(repo, tmp_path, "--set", "train.token_budget=-5")
     assert out.returncode == 2 and "train.token_budget" in out.stderr
 
 
