@@ -375,12 +375,20 @@ def steady_state(records: list[dict], tokens_per_batch: int) -> dict:
 
 
 def run_e2e(overrides: list[str], work: Path, seconds: float, tokens_per_batch: int, env: dict) -> dict:
+    from dflash.config import set_args
     from dflash.rundir import read_jsonl
 
     run_dir = work / "e2e-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [a for o in overrides for a in ("--set", o)]
-    argv = [sys.executable, "-m", "dflash.launch", str(CONFIG), *sets, "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "dflash.launch",
+        str(CONFIG),
+        *set_args(overrides),
+        "--run-dir",
+        str(run_dir),
+    ]
     log_path = work / "e2e-launch.log"
     t0 = time.time()
     with open(log_path, "w") as log:

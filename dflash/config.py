@@ -398,3 +398,8 @@ def add_config_args(
     )
     if run_dir is not None:
         parser.add_argument("--run-dir", required=run_dir_required, help=run_dir)
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    """The command-line form of parsed overrides: ["--set", "k=v", ...] (add_config_args reads it)."""
+    return [arg for override in overrides for arg in ("--set", override)]

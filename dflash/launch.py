@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.config import JobConfig, add_config_args, load_config
+from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
 from dflash.rundir import (
     SUPERVISOR_ENV,
@@ -184,7 +184,7 @@ class Supervisor:
     launched_at: float = field(default_factory=time.time)
 
     def worker_args(self) -> list[str]:
-        sets = [a for o in self.overrides for a in ("--set", o)]
+        sets = set_args(self.overrides)
         return [self.config_path, *sets, "--run-dir", str(self.run.root)]
 
     def on_signal(self, signum: int, _frame: Any) -> None:
@@ -348,7 +348,7 @@ def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -
     # like open_run_dir's default, so running a plan again starts a new run instead of resuming.
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = args.run_dir or str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
-    sets = [a for o in args.overrides for a in ("--set", o)]
+    sets = set_args(args.overrides)
     return [
         shlex.join(
             [
