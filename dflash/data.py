@@ -285,15 +285,11 @@ class Batch:
     def padded_tokens(self) -> int:
         return self.input_ids_BL.numel()
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(
-            input_ids_BL=self.input_ids_BL.to(device, non_blocking=non_blocking),
-            loss_mask_BL=self.loss_mask_BL.to(device, non_blocking=non_blocking),
-            seq_lens_B=self.seq_lens_B.to(device, non_blocking=non_blocking),
-            sample_ids=self.sample_ids,
-            epoch=self.epoch,
-            index=self.index,
-        )
+
+def bucket_rows(token_budget: int, max_batch_size: int, bucket_len: int) -> int:
+    """Rows of every batch of one length bucket. The batcher fills batches to it and the trainer pads
+    to it, so each bucket is one shape (one compile): both must use this one formula."""
+    return max(1, min(max_batch_size, token_budget // bucket_len))
 
 
 class TokenBudgetBatcher:
@@ -327,8 +323,8 @@ class TokenBudgetBatcher:
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
-        lengths = ds.lengths
-        self._bucket_len = (lengths + bucket_multiple - 1) // bucket_multiple * bucket_multiple
+        self._lengths = ds.lengths  # np.diff over every offset: once, not per batch
+        self._bucket_len = (self._lengths + bucket_multiple - 1) // bucket_multiple * bucket_multiple
         longest = int(self._bucket_len.max())
         if longest > token_budget:
             raise DFlashError(
@@ -341,7 +337,7 @@ class TokenBudgetBatcher:
         self._plan: list[list[int]] = []
 
     def rows_for(self, bucket_len: int) -> int:
-        return max(1, min(self.max_batch_size, self.token_budget // bucket_len))
+        return bucket_rows(self.token_budget, self.max_batch_size, bucket_len)
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
         n = len(self.ds)
@@ -379,7 +375,7 @@ class TokenBudgetBatcher:
         return self.epoch + (self.index / per_epoch if per_epoch else 0.0)
 
     def collate(self, sample_ids: list[int], epoch: int, index: int) -> Batch:
-        seq_lens = [int(self.ds.lengths[i]) for i in sample_ids]
+        seq_lens = [int(self._lengths[i]) for i in sample_ids]
         length = int(max(self._bucket_len[i] for i in sample_ids))
         ids = np.full((len(sample_ids), length), self.ds.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(sample_ids), length), dtype=np.bool_)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import hashlib
 import json
 import sys
@@ -128,7 +127,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
-        "drafter": spec.to_dict() if hasattr(spec, "to_dict") else dataclasses.asdict(spec),
+        "drafter": spec.to_dict(),
     }
 
 

@@ -227,11 +227,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
     kv_heads = cfg.num_key_value_heads or int(getattr(target_config, "num_key_value_heads", None) or heads)
     head_dim = cfg.head_dim or int(getattr(target_config, "head_dim", None) or hidden // heads)
     layer_types = list(cfg.layer_types) or ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
-    vocab = int(target_config.vocab_size)
-    if not 0 <= mask_token_id < vocab:
-        raise ConfigError(
-            "drafter.mask_token_id", f"{mask_token_id} is outside the target vocabulary [0, {vocab})"
-        )
+    vocab = int(target_config.vocab_size)  # DrafterSpec checks mask_token_id against it
     return DrafterSpec(
         hidden_size=hidden,
         intermediate_size=cfg.intermediate_size or int(target_config.intermediate_size),

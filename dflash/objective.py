@@ -196,10 +196,9 @@ def dflash_loss(
         counts_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(
             0, k_N, torch.ones_like(k_N, dtype=torch.float)
         )
-        acc_K = (hits_K / counts_K.clamp_min(1)).tolist()
-        counts = counts_K.tolist()
-    acc_per_pos = [acc_K[k] if counts[k] > 0 else math.nan for k in range(1, K)]
-    acc = float(correct_N.float().mean()) if n else math.nan
+        hits, counts = torch.stack([hits_K, counts_K]).tolist()  # one device sync for all of it
+    acc_per_pos = [hits[k] / counts[k] if counts[k] > 0 else math.nan for k in range(1, K)]
+    acc = sum(hits) / n if n else math.nan
     return LossOutput(
         loss=loss, acc_per_pos=acc_per_pos, acc=acc, streak=expected_streak(acc_per_pos), tokens=n
     )

@@ -90,7 +90,6 @@ class TargetCapture:
         if bad:
             raise DFlashError(f"drafter.target_layer_ids {bad} are outside the target's layers 0..{n - 1}")
         self.layer_ids = list(layer_ids)
-        self.num_layers_total = n
         keep = max(layer_ids) + 1
         # Load only the layers up to the last needed one: the rest of the checkpoint is never read into memory.
         text_cfg.num_hidden_layers = keep

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dflash.config import JobConfig
+from dflash.data import bucket_rows
 from dflash.errors import ConfigError, DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
@@ -49,7 +50,7 @@ def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
 
 def rows_for_length(cfg: JobConfig, length: int) -> int:
     """Rows of every batch of one length bucket: batches are padded up to it so each bucket is one shape."""
-    return max(1, min(cfg.train.max_batch_size, cfg.train.token_budget // length))
+    return bucket_rows(cfg.train.token_budget, cfg.train.max_batch_size, length)
 
 
 def pad_rows(
@@ -151,7 +152,7 @@ class DrafterTrainer:
             self.module = nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
-        params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             params,
@@ -202,9 +203,7 @@ class DrafterTrainer:
             )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip
-        )
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

@@ -457,11 +457,6 @@ class HiddenStateQueue:
             self._generation = generation
         return returned
 
-    def reclaim(self) -> int:
-        """Return leases of dead consumers now (get/put also do this while they wait)."""
-        with self._locked():
-            return self._reclaim_locked()
-
     # ---- waiting ---------------------------------------------------------------------------------
     @staticmethod
     def _wait_for(
