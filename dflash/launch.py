@@ -27,6 +27,7 @@ from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
+from dflash.pipeline import worker_devices
 from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
@@ -51,29 +52,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 LOCAL_ENDPOINT = "127.0.0.1:0"
 """A one-host group's rendezvous: loopback, the port chosen by the store when it binds."""
-
-
-def _devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
-    import torch
-
-    p = cfg.pipeline
-    cuda = cfg.run.device in ("cuda", "auto") and torch.cuda.is_available()
-    n = torch.cuda.device_count() if cuda else 0
-    targets = p.target_devices or [f"cuda:{i % n}" if cuda else "cpu" for i in range(p.targets)]
-    drafters = p.drafter_devices or [
-        f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)
-    ]
-    if len(targets) != p.targets:
-        raise DFlashError(
-            f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets; list one device "
-            "per target worker, or change pipeline.targets"
-        )
-    if len(drafters) != p.drafters:
-        raise DFlashError(
-            f"pipeline.drafter_devices lists {len(drafters)} devices for {p.drafters} drafters; list one "
-            "device per drafter worker, or change pipeline.drafters"
-        )
-    return targets, drafters
 
 
 def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
@@ -198,7 +176,7 @@ class Supervisor:
                 p.kill_tree(wait=False)
 
     def start(self, queue_name: str) -> None:
-        target_devs, _ = _devices(self.cfg)
+        target_devs, _ = worker_devices(self.cfg)
         T = self.cfg.pipeline.targets
         for i, dev in enumerate(target_devs):
             index = self.node_rank * T + i

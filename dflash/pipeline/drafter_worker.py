@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.pipeline import worker_devices
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 
@@ -113,11 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _device(cfg: JobConfig, g: Group) -> torch.device:
-    if cfg.pipeline.drafter_devices:
-        return torch.device(cfg.pipeline.drafter_devices[g.local_rank % len(cfg.pipeline.drafter_devices)])
-    if cfg.run.device in ("cuda", "auto") and torch.cuda.is_available():
-        return torch.device("cuda", g.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    _, drafters = worker_devices(cfg)
+    return torch.device(drafters[g.local_rank % len(drafters)])
 
 
 def _resume_step(side: Any, g: Group) -> int:
