@@ -136,21 +136,19 @@ def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
     from transformers import AutoConfig
 
     from dflash.model import resolve_spec
-    from dflash.session import resolve_target_path
-    from dflash.tokenizer import load_tokenizer, require_mask_token
+    from dflash.session import resolve_target
     from dflash.trainer import resolve_backend, resolve_device
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
-    target_path = resolve_target_path(cfg)
-    tok = load_tokenizer(cfg.data.tokenizer, target_path)
-    mask_id = require_mask_token(tok, cfg.drafter.mask_token_id)
+    target_path, _, mask_id = resolve_target(cfg)
     target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
     return resolve_spec(cfg.drafter, target_config, mask_id), device, backend, target_path
 
 
-def cache_fingerprint(cfg: Any, *, device: Any = None) -> dict[str, Any]:
-    spec, resolved, backend, target_path = resolve_job(cfg)
+def cache_fingerprint(cfg: Any, *, device: Any = None, job: tuple[Any, ...] | None = None) -> dict[str, Any]:
+    """job: resolve_job(cfg) when the caller has it already (it loads the tokenizer and configs)."""
+    spec, resolved, backend, target_path = job or resolve_job(cfg)
     device = device or resolved
     return {
         "format": FORMAT,

@@ -39,14 +39,17 @@ WORKER_STATES = (
 )
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Temp file + rename: readers see the old content or the new, never part. durable=False skips
+    the fsync, for files rewritten every second anyway (heartbeats) whose loss in a crash is moot."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -67,8 +70,9 @@ def install_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
+    atomic_write_bytes(path, data, durable=durable)
 
 
 def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
@@ -308,7 +312,8 @@ class Heartbeat:
                 self._state["updated_at"] = time.time()
                 snap = dict(self._state)
             try:
-                atomic_write_json(self.path, _clean(snap))
+                # No fsync: workers set their state several times a step; the file is a live view.
+                atomic_write_json(self.path, _clean(snap), durable=False)
             except OSError:
                 pass  # a full disk must not kill training; the watcher sees a stale heartbeat
 

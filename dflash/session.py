@@ -106,16 +106,22 @@ class DataParts:
     target_path: str
 
 
+def resolve_target(cfg: JobConfig) -> tuple[str, Any, int]:
+    """(target directory, tokenizer, mask token id): what the drafter side needs, without the data."""
+    from dflash.tokenizer import load_tokenizer, require_mask_token
+
+    target_path = resolve_target_path(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer, target_path)
+    return target_path, tok, require_mask_token(tok, cfg.drafter.mask_token_id)
+
+
 def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
     """Tokenizer, mask token and dataset: every data error surfaces here, before any model loads."""
     import dataclasses
 
     from dflash.data import load_dataset
-    from dflash.tokenizer import load_tokenizer, require_mask_token
 
-    target_path = resolve_target_path(cfg)
-    tok = load_tokenizer(cfg.data.tokenizer, target_path)
-    mask_id = require_mask_token(tok, cfg.drafter.mask_token_id)
+    target_path, tok, mask_id = resolve_target(cfg)
     data_cfg = dataclasses.replace(cfg.data, path=resolve_data_path(cfg))
     cache_root = Path(cfg.data.cache_dir or Path(cfg.run.runs_root) / ".tokcache")
     log_path = run.logs / "data.log"
@@ -198,7 +204,8 @@ class DrafterSide:
         self,
         cfg: JobConfig,
         run: RunDir,
-        parts: DataParts,
+        target_path: str,
+        mask_token_id: int,
         device: torch.device,
         *,
         rank: int = 0,
@@ -212,9 +219,9 @@ class DrafterSide:
 
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
         embed, head, target_config = load_frozen_head(
-            parts.target_path, dtype=torch_dtype(cfg.target.dtype), device=device
+            target_path, dtype=torch_dtype(cfg.target.dtype), device=device
         )
-        self.spec = resolve_spec(cfg.drafter, target_config, parts.mask_token_id)
+        self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
         self.trainer = DrafterTrainer(cfg, self.spec, embed, head, device, rank=rank, world_size=world_size)
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
         self.guard.__enter__()
@@ -309,7 +316,7 @@ class Job:
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.run.seed)
         parts = prepare_data(cfg, run)
-        self.drafter = DrafterSide(cfg, run, parts, self.device)
+        self.drafter = DrafterSide(cfg, run, parts.target_path, parts.mask_token_id, self.device)
         self.trainer = self.drafter.trainer
         self.target = TargetCapture(
             parts.target_path,

@@ -32,6 +32,7 @@ from typing import Any
 
 from dflash.compile_cache import counters_delta, use_cache_dir
 from dflash.config import add_config_args
+from dflash.rundir import atomic_write_json
 
 WARM_STATS = "warm.json"
 
@@ -65,10 +66,11 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     from dflash.target import load_frozen_head
     from dflash.trainer import DrafterTrainer, resolve_strict
 
-    fp = cache_fingerprint(cfg)
+    job = resolve_job(cfg)
+    spec, device, _, target_path = job
+    fp = cache_fingerprint(cfg, job=job)
     key = fingerprint_key(fp)
     _emit("fingerprint", key=key, fingerprint=fp)
-    spec, device, _, target_path = resolve_job(cfg)
     shapes = shape_buckets(cfg)
     _emit("plan", shapes=shapes)
     embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
@@ -137,9 +139,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
         "degraded": degraded,
         "device": str(device),
     }
-    tmp = out / (WARM_STATS + ".tmp")
-    tmp.write_text(json.dumps(stats, indent=1, sort_keys=True) + "\n")
-    tmp.replace(out / WARM_STATS)
+    atomic_write_json(out / WARM_STATS, stats)
     _emit("done", seconds=round(total, 3), counters=counters)
     return stats
 

@@ -142,7 +142,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     from dflash.compile_cache import cache_dir_from_env
     from dflash.kernels import compile_counters
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.session import DrafterSide, gpu_mem_gb, prepare_data
+    from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
     from dflash.trainer import Meter
 
     cache_dir_from_env()  # before anything compiles
@@ -160,8 +160,11 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        parts = prepare_data(cfg, run)
-        side = DrafterSide(cfg, run, parts, device, rank=g.rank, world_size=g.world, worker=worker)
+        # The drafters need the target's head and the mask token, not the data: the targets read that.
+        target_path, _, mask_id = resolve_target(cfg)
+        side = DrafterSide(
+            cfg, run, target_path, mask_id, device, rank=g.rank, world_size=g.world, worker=worker
+        )
         step = _resume_step(side, g)
         if step >= 0:
             side.load(run.checkpoints / f"step-{step}")
