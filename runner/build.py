@@ -24,6 +24,7 @@ from pathlib import Path
 
 from runner import docker
 from runner.cache.canonical import sha256_file
+from runner.cache.fsutil import atomic_write_text
 from runner.envs import Variant, tomllib
 from runner.errors import RunnerError
 from runner.lock import check_lock, uv_binary
@@ -326,7 +327,4 @@ def apply_venv(plan: VenvPlan, *, on_line: Callable[[str], None]) -> None:
             )
     # Records which lock made this venv, so `dflashctl doctor --python` can say what it should match.
     marker = {"variant": plan.variant, "lock": plan.lock, "lock_sha256": plan.lock_sha256}
-    out = Path(plan.path, "dflash-env.json")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_text(Path(plan.path, "dflash-env.json"), json.dumps(marker, indent=2) + "\n")

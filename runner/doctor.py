@@ -8,7 +8,6 @@ runner never imports torch, and the answer is what the job will really see.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +37,7 @@ def probe_source() -> str:
 
 
 def parse_probe(stdout: bytes, where: str) -> dict[str, Any]:
-    lines = [ln for ln in stdout.decode(errors="replace").splitlines() if ln.startswith("{")]
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError) as e:
-        raise RunnerError(
-            f"the environment probe in {where} printed no fingerprint; is python3 there?"
-        ) from e
+    return remote.parse_json_tail(stdout, f"the environment probe in {where}", "is python3 there?")
 
 
 def collect(

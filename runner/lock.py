@@ -10,7 +10,6 @@ stale lock is detected without any network (`dflashctl lock --check`).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 from packaging.markers import InvalidMarker, Marker
 from packaging.utils import canonicalize_name
 
+from runner.cache.fsutil import atomic_write_text
 from runner.envs import Variant, tomllib
 from runner.errors import RunnerError
 
@@ -228,11 +228,7 @@ def compile_lock(
         body = Path(tmp, "lock.txt").read_text()
     text = header(variant, kind, digest) + body
     parse_lock(text, f"{out} (generated)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp_path, out)
+    atomic_write_text(out, text)
     return out
 
 

@@ -6,10 +6,12 @@ Extra ssh options (port, identity, known-hosts file) come from DFLASH_SSH_OPTS, 
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 from collections.abc import Sequence
+from typing import Any
 
 from runner.errors import RunnerError
 
@@ -94,3 +96,17 @@ def copy_from(host: str | None, remote: str, local: str) -> None:
         else ["scp", "-q", "-r", "-o", "BatchMode=yes", *_scp_opts(), f"{host}:{remote}", local]
     )
     run(None, argv)
+
+
+def parse_json_tail(stdout: bytes, what: str, hint: str) -> dict[str, Any]:
+    """The last stdout line that is a JSON object (libraries may print before it)."""
+    for line in reversed(stdout.decode(errors="replace").splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    raise RunnerError(f"{what} printed no JSON result; {hint}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
+import functools
 import os
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,20 @@ from runner.errors import RunnerError
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Temp file beside `path` (a unique name) + rename: readers see old or new content, never part,
+    and a failed write leaves nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def make_private_dir(path: Path) -> Path:
@@ -62,10 +77,11 @@ def file_lock(path: Path, *, shared: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
+@functools.cache
 def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    name = ctypes.util.find_library("c")
+    # Looked up once: find_library runs `ldconfig -p`; libc is loaded in the process already anyway.
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
         return None

@@ -13,6 +13,7 @@ from typing import Any
 
 from runner.cache.canonical import HEX64, canonical_json, fingerprint_key
 from runner.cache.errors import ArtifactError, UnsafeArchiveError
+from runner.cache.fsutil import atomic_write_text
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -101,9 +102,7 @@ class Manifest:
         return canonical_json(self.to_dict(with_signature=False))
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
 
     @classmethod
     def read(cls, path: Path) -> Manifest:

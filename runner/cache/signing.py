@@ -19,18 +19,13 @@ import hashlib
 import hmac
 import importlib
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.cache.manifest import Manifest, Signature
+from runner.envs import tomllib  # the one 3.10 fallback shim
 from runner.errors import RunnerError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - python 3.10
-    import tomli as tomllib
 
 HMAC_ALG = "hmac-sha256"
 ED25519_ALG = "ed25519"

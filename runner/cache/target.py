@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from runner import remote
 from runner.errors import RunnerError
+from runner.remote import parse_json_tail
 
 
 def job_image(image: str | None, variant: str | None) -> str | None:
@@ -57,22 +58,6 @@ class JobEnv:
         return (f"image {self.image}" if self.image else self.python) + where
 
 
-def parse_json_tail(stdout: bytes, what: str) -> dict:
-    """The last stdout line that is a JSON object (libraries may print before it)."""
-    import json
-
-    for line in reversed(stdout.decode(errors="replace").splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                return value
-    raise RunnerError(f"{what} printed no JSON result; is dflash installed in that environment?")
-
-
 def job_fingerprint(
     env: JobEnv, *, config: str | None, sets: list[str] | None = None, device: str | None = None
 ) -> dict:
@@ -87,7 +72,9 @@ def job_fingerprint(
     for s in sets or []:
         args += ["--set", s]
     proc = remote.run(env.host, env.argv(args), timeout=600)
-    result = parse_json_tail(proc.stdout, f"`{shlex.join(env.argv(args))}`")
+    result = parse_json_tail(
+        proc.stdout, f"`{shlex.join(env.argv(args))}`", "is dflash installed in that environment?"
+    )
     if not isinstance(result.get("fingerprint"), dict):
         raise RunnerError(
             "dflash.fingerprint returned no fingerprint object; dflash there is too old or broken"

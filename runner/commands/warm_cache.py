@@ -10,17 +10,14 @@ from typing import Annotated, Any
 import typer
 
 from runner.cache.signing import load_keyring
-from runner.cache.store import STORE_ENV, Store
+from runner.cache.store import Store
 from runner.cache.target import JobEnv, job_image
 from runner.cache.warmrun import warm_cache
+from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console
 from runner.docker import host_has_nvidia
+from runner.envs import tomllib  # the one 3.10 fallback shim
 from runner.errors import RunnerError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - python 3.10
-    import tomli as tomllib
 
 
 def _wants_gpu(config: Path, host: str | None, sets: list[str]) -> bool:
@@ -74,9 +71,7 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="Run on USER@HOST over ssh (DFLASH_SSH_OPTS applies).")
         ] = None,
         sets: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value.")] = None,
-        store: Annotated[
-            Path | None, typer.Option(envvar=STORE_ENV, show_envvar=True, help="Artifact store directory.")
-        ] = None,
+        store: StoreOpt = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the result as JSON (no progress).")
         ] = False,
