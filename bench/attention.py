@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import bench_ms, default_out  # noqa: E402  (bench/, the script's own directory)
+from common import bench_ms, default_out, write_report  # noqa: E402  (bench/, the script's own directory)
 
 from dflash.attention import make_backend  # noqa: E402
 from dflash.attention.mask import allowed_pairs, dense_mask  # noqa: E402
@@ -172,10 +172,7 @@ def main() -> None:
         "numerics": numerics,
         "summary": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(args.out)
+    write_report(args.out, report)
     print(f"{'layer':>6} {'method':>11} {'mode':>8} {'ms':>9} {'TFLOP/s':>8}")
     for r in results:
         print(f"{r['window']:>6} {r['method']:>11} {r['mode']:>8} {r['ms']:9.3f} {r['tflops']:8.2f}")

@@ -6,6 +6,35 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    """A bench's JSON result, atomically (the job's own writer)."""
+    from dflash.rundir import atomic_write_json
+
+    atomic_write_json(Path(path), report)
+
+
+def time_loop(fn: Callable[[], object], device: str, iters: int, warmup: int = 1) -> float:
+    """Milliseconds per call: CUDA events around the timed loop on GPU, perf_counter on CPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) * 1000 / iters
 
 
 def default_out(name: str) -> str:
@@ -13,8 +42,7 @@ def default_out(name: str) -> str:
 
 
 def bench_ms(fn: Callable[[], object], device: str, reps: int) -> float:
-    import torch  # here, not at import: the pipeline bench's parent process stays torch-free
-
+    """Triton's do_bench on GPU where available, else time_loop."""
     if device == "cuda":
         try:
             from triton.testing import do_bench
@@ -22,17 +50,4 @@ def bench_ms(fn: Callable[[], object], device: str, reps: int) -> float:
             return float(do_bench(fn, warmup=5, rep=max(25, reps * 10)))
         except ImportError:
             pass
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) * 1000 / reps
+    return time_loop(fn, device, reps)

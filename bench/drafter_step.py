@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import default_out  # noqa: E402  (bench/, the script's own directory)
+from common import default_out, write_report  # noqa: E402  (bench/, the script's own directory)
 
 from dflash.attention.mask import allowed_pairs  # noqa: E402
 from dflash.model import DFlashDrafter, DrafterSpec  # noqa: E402
@@ -228,10 +227,7 @@ def main() -> None:
         "peak_tflops": PEAK_TFLOPS,
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(args.out)
+    write_report(args.out, report)
     print(
         f"FLOPs/step: {flops['total'] / 1e12:.2f} T (linears {flops['linears'] / 1e12:.2f}, "
         f"lm_head {flops['lm_head'] / 1e12:.2f}, attention {flops['attention'] / 1e12:.2f})"

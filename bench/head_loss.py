@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import bench_ms, default_out  # noqa: E402
+from common import bench_ms, default_out, write_report  # noqa: E402
 
 from dflash.objective import dflash_loss, position_weights  # noqa: E402
 
@@ -125,8 +124,7 @@ def main() -> None:
         "flops": flops,
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -39,7 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import default_out  # noqa: E402  (bench/, the script's own directory)
+from common import default_out, time_loop, write_report  # noqa: E402  (bench/, the script's own directory)
 
 CONFIG = REPO / "configs" / "qwen3-8b.toml"
 MARKER = "dflash_bench_target.json"
@@ -196,24 +196,8 @@ def free_device(device: str) -> None:
 
 
 def timed(fn: Any, *, warmup: int, iters: int, device: str) -> float:
-    """Seconds per call: CUDA events around the timed loop on GPU, perf_counter on CPU."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
+    """Seconds per call (common.time_loop: CUDA events on GPU, perf_counter on CPU)."""
+    return time_loop(fn, device, iters, warmup) / 1000
 
 
 def peak_gb(device: str) -> float | None:
@@ -567,11 +551,7 @@ def main() -> None:
         **results,
         "wall_s": round(time.time() - started, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(out)
+    write_report(args.out, report)
 
     def fmt(x: float | None) -> str:
         return f"{x:12.0f}" if x is not None else f"{'n/a':>12}"
@@ -588,7 +568,7 @@ def main() -> None:
     print(f"capture speedup vs baseline: {summary['capture_speedup_vs_baseline']:.2f}x (goal >= 1.25x)")
     print(f"pipeline efficiency: {f'{eff:.1%}' if eff is not None else 'n/a'} (goal >= 95%)")
     print(f"serial bound (no overlap): {summary['serial_bound_tok_s']:.0f} tok/s")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
