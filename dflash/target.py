@@ -157,34 +157,21 @@ class TargetCapture:
         return out
 
 
-def _weight_files(model_dir: Path, names: list[str]) -> dict[str, Path]:
-    """Which safetensors file holds each tensor name (index json when sharded, else the files' headers)."""
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Every tensor name -> the safetensors file holding it (the index json when sharded, else the
+    files' headers), read once."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / weight_map[name] for name in names if name in weight_map}
+        return {name: model_dir / file for name, file in weight_map.items()}
     found: dict[str, Path] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key in names:
-                    found[key] = f
+                found[key] = f
     return found
-
-
-def _all_tensor_names(model_dir: Path) -> list[str]:
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    names: list[str] = []
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            names.extend(st.keys())
-    return names
 
 
 def load_frozen_head(
@@ -196,7 +183,8 @@ def load_frozen_head(
 
     model_dir = check_model_dir(path)
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    names = _all_tensor_names(model_dir)
+    files = _tensor_files(model_dir)
+    names = list(files)
     embeds = sorted((n for n in names if n.endswith("embed_tokens.weight")), key=len)
     if not embeds:
         raise DFlashError(
@@ -215,7 +203,6 @@ def load_frozen_head(
             )
         head_name = heads[0]
     wanted = [embed_name] + ([head_name] if head_name else [])
-    files = _weight_files(model_dir, wanted)
     tensors: dict[str, torch.Tensor] = {}
     for name in wanted:
         with safe_open(str(files[name]), framework="pt", device="cpu") as st:
