@@ -88,7 +88,7 @@ def drift(fp: dict[str, Any], lock: Lock) -> Drift:
     return d
 
 
-def _torch_swap(fp: dict[str, Any], variant: Variant | None, lock: Lock | None, d: Drift) -> str | None:
+def _torch_swap(fp: dict[str, Any], variant: Variant | None, lock: Lock | None) -> str | None:
     torch = fp.get("torch")
     pinned = None
     if lock is not None:
@@ -216,7 +216,7 @@ def diagnose(fp: dict[str, Any], *, target: str, variant: Variant | None, lock: 
             )
         if not (d.missing or d.different or d.extra):
             checks.append(Check(name="lock", status="ok", detail=f"every package matches {lock.path.name}"))
-    swap = _torch_swap(fp, variant, lock, d or Drift()) if (variant or lock) else None
+    swap = _torch_swap(fp, variant, lock) if (variant or lock) else None
     if d is not None:
         d.torch_swap = swap
     if swap:

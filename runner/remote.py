@@ -45,20 +45,15 @@ def run(
     check: bool = True,
     capture: bool = True,
     timeout: float | None = None,
-    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
     """Run argv on host. With check, a non-zero exit raises RunnerError quoting stderr's tail."""
     full = remote_argv(host, argv)
-    if env and host is not None:
-        full[-1] = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " + full[-1]
-        env = None
     try:
         proc = subprocess.run(
             full,
             input=input,
             capture_output=capture,
             timeout=timeout,
-            env={**os.environ, **env} if env else None,
         )
     except FileNotFoundError as e:
         raise RunnerError(f"cannot run {full[0]!r}: {e.strerror}; is it installed and on PATH?") from e

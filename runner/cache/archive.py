@@ -75,12 +75,10 @@ def write_archive(
     src: Path,
     roots: list[str],
     archive: Path,
-    *,
-    level: int = 10,
 ) -> tuple[list[FileEntry], ArchiveInfo]:
     """Archive the regular files under src/<root> for each root; returns the manifest entries."""
     entries: list[FileEntry] = []
-    cctx = zstandard.ZstdCompressor(level=level)
+    cctx = zstandard.ZstdCompressor(level=10)
     with (
         open(archive, "wb") as raw,
         cctx.stream_writer(raw, closefd=False) as zw,

@@ -38,19 +38,15 @@ class JobEnv:
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)
     """(host path, container path, read_only) for image runs."""
 
-    def argv(self, module_args: list[str], env: dict[str, str] | None = None) -> list[str]:
+    def argv(self, module_args: list[str]) -> list[str]:
         """The argv, for this machine or for runner.remote's host, that runs `python -m ...`."""
-        env = env or {}
         if self.image is None:
-            prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-            return [*prefix, self.python, "-m", *module_args]
+            return [self.python, "-m", *module_args]
         argv = ["docker", "run", "--rm", "-i", "--user", f"{os.getuid()}:{os.getgid()}"]
         if self.gpus:
             argv += ["--gpus", "all"]
         for src, dst, ro in self.mounts:
             argv += ["-v", f"{src}:{dst}" + (":ro" if ro else "")]
-        for k, v in env.items():
-            argv += ["-e", f"{k}={v}"]
         return [*argv, self.image, self.python, "-m", *module_args]
 
     def describe(self) -> str:

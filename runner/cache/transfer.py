@@ -14,7 +14,8 @@ import secrets
 import shlex
 
 from runner import remote
-from runner.cache.canonical import fingerprint_key, sha256_file
+from runner.cache.archive import verify_archive_hash
+from runner.cache.canonical import fingerprint_key
 from runner.cache.errors import ArtifactError, IntegrityError
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ORIGIN_NAME, Manifest
 from runner.cache.store import Artifact, Store, now_iso
@@ -91,9 +92,7 @@ def pull(store: Store, key_or_prefix: str, spec: str) -> Artifact:
             raise IntegrityError(
                 f"{spec}/{key[:16]}: the manifest's key does not match its directory; refused"
             )
-        sha, size = sha256_file(art_dir / ARCHIVE_NAME)
-        if (sha, size) != (manifest.archive.sha256, manifest.archive.size):
-            raise IntegrityError(f"{spec}/{key[:16]}: the archive does not match its manifest hash; refused")
+        verify_archive_hash(art_dir / ARCHIVE_NAME, manifest.archive)
         (art_dir / ORIGIN_NAME).write_text(
             json.dumps(
                 {"origin": "remote", "remote": f"{spec.rstrip('/')}/{key}", "pulled_at": now_iso()}, indent=1

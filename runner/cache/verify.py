@@ -11,12 +11,10 @@ from runner.cache.signing import Keyring, check_signature
 from runner.cache.store import Artifact
 
 
-def verify_artifact(
-    art: Artifact, ring: Keyring, *, scratch_parent: Path | None = None, limits: Limits = Limits()
-) -> tuple[int, int, str]:
+def verify_artifact(art: Artifact, ring: Keyring, *, limits: Limits = Limits()) -> tuple[int, int, str]:
     """Raises on any mismatch; returns (files, bytes, signature status line)."""
     verify_archive_hash(art.archive, art.manifest.archive)
-    scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=scratch_parent or art.path.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=art.path.parent))
     try:
         extract(art.archive, scratch, art.manifest.files, limits)
     finally:

@@ -13,7 +13,6 @@ import typer
 from rich.table import Table
 
 from runner.cache import transfer
-from runner.cache.errors import IntegrityError
 from runner.cache.restore import format_differences, restore
 from runner.cache.signing import check_signature, load_keyring
 from runner.cache.store import STORE_ENV, Artifact, Store, parse_age
@@ -317,4 +316,4 @@ def register(root: typer.Typer) -> None:
     root.add_typer(app, name="cache")
 
 
-__all__ = ["IntegrityError", "register"]
+__all__ = ["register"]
