@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import shlex
-import subprocess
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner import docker
-from runner.cache.canonical import sha256_file
-from runner.cache.fsutil import atomic_write_text
+from runner.canonical import sha256_file
 from runner.envs import Variant, tomllib
 from runner.errors import RunnerError
+from runner.exec import docker
+from runner.exec.stream import stream
+from runner.fsutil import atomic_write_text
 from runner.lock import check_lock, uv_binary
 
 IMAGE_REPO = "dflash"
@@ -221,7 +220,7 @@ def verify_labels(plan: BuildPlan, labels: dict[str, str]) -> None:
 def alias_latest(plan: BuildPlan) -> None:
     """Point `dflash:<variant>[-runner]` at this build: the name `--variant V` resolves to elsewhere
     (warm-cache, cache restore). The content-addressed tag stays the record of what was built."""
-    from runner.remote import run
+    from runner.exec.remote import run
 
     run(plan.host, ["docker", "tag", plan.tag, plan.tag.rsplit("-", 1)[0]])
 
@@ -314,17 +313,7 @@ def apply_venv(plan: VenvPlan, *, on_line: Callable[[str], None]) -> None:
     env = {**os.environ, **plan.env}
     for argv in plan.commands:
         on_line("$ " + shlex.join(argv))
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        assert proc.stdout is not None
-        tail: list[str] = []
-        for raw in io.TextIOWrapper(proc.stdout, errors="replace"):
-            line = raw.rstrip()
-            tail = (tail + [line])[-30:]
-            on_line(line)
-        if proc.wait() != 0:
-            raise RunnerError(
-                f"`{shlex.join(argv[:3])} ...` failed with exit code {proc.returncode}:\n" + "\n".join(tail)
-            )
+        stream(argv, on_line=on_line, env=env, what=f"`{shlex.join(argv[:3])} ...`")
     # Records which lock made this venv, so `dflashctl doctor --python` can say what it should match.
     marker = {"variant": plan.variant, "lock": plan.lock, "lock_sha256": plan.lock_sha256}
     atomic_write_text(Path(plan.path, "dflash-env.json"), json.dumps(marker, indent=2) + "\n")

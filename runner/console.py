@@ -23,3 +23,7 @@ def cli_errors() -> Iterator[None]:
         # Escaped: messages quote config sections like "[cache] signing_key", which rich would eat.
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)

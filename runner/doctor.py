@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,9 @@ from typing import Any
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from runner import docker, remote
 from runner.envs import Variant
 from runner.errors import RunnerError
+from runner.exec import docker, remote
 from runner.lock import Lock, expected_packages
 
 # Oldest driver (major version) each CUDA runtime needs; newer minors of a major use the newest entry below them.
@@ -41,12 +42,16 @@ def parse_probe(stdout: bytes, where: str) -> dict[str, Any]:
 
 
 def collect(
-    *, python: str | None = None, image: str | None = None, host: str | None = None
+    *,
+    python: str | None = None,
+    image: str | None = None,
+    host: str | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The fingerprint, probed inside the environment being checked."""
     source = probe_source()
     if image:
-        return parse_probe(docker.run_python_source(host, image, source), f"image {image}")
+        return parse_probe(docker.run_python_source(host, image, source, warn=warn), f"image {image}")
     interpreter = python or (sys.executable if host is None else "python3")
     out = remote.run(host, [interpreter, "-"], input=source.encode(), timeout=300).stdout
     return parse_probe(out, f"{interpreter} on {host or 'this machine'}")

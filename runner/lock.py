@@ -21,9 +21,9 @@ from pathlib import Path
 from packaging.markers import InvalidMarker, Marker
 from packaging.utils import canonicalize_name
 
-from runner.cache.fsutil import atomic_write_text
 from runner.envs import Variant, tomllib
 from runner.errors import RunnerError
+from runner.fsutil import atomic_write_text
 
 _REQ = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;\\]+)\s*(?:;\s*(?P<marker>.+?))?$"

@@ -12,7 +12,7 @@ from typing import Any
 
 import zstandard
 
-from runner.cache.canonical import fingerprint_key, sha256_file
+from runner.canonical import fingerprint_key, sha256_file
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ArchiveInfo, FileEntry, Manifest
 from runner.cache.signing import Keyring, sign
 from runner.cache.snapshot import snapshot

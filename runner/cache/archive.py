@@ -18,9 +18,9 @@ from typing import IO
 
 import zstandard
 
-from runner.cache.canonical import sha256_file
 from runner.cache.errors import ArtifactError, IntegrityError, UnsafeArchiveError
 from runner.cache.manifest import ArchiveInfo, FileEntry, check_member_path
+from runner.canonical import sha256_file
 
 _CHUNK = 1 << 20
 GiB = 1 << 30

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.cache.canonical import HEX64, canonical_json, fingerprint_key
 from runner.cache.errors import ArtifactError, UnsafeArchiveError
-from runner.cache.fsutil import atomic_write_text
+from runner.canonical import HEX64, canonical_json, fingerprint_key
+from runner.fsutil import atomic_write_text
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

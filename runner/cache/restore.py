@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from runner.cache.archive import Limits, extract, verify_archive_hash
-from runner.cache.canonical import flatten
 from runner.cache.errors import FingerprintMismatchError, UntrustedArtifactError
-from runner.cache.fsutil import check_private_dir, file_lock, replace_dir
 from runner.cache.signing import Keyring, check_signature
 from runner.cache.store import Artifact, now_iso
+from runner.canonical import flatten
+from runner.fsutil import check_private_dir, file_lock, replace_dir
 
 RESTORED_NAME = "artifact.json"
 """Written into a restored cache dir: which artifact it came from (the job records it in run.json)."""

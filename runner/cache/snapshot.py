@@ -7,11 +7,11 @@ from typing import Any
 
 from runner import __version__
 from runner.cache.archive import write_archive
-from runner.cache.canonical import fingerprint_key
 from runner.cache.errors import ArtifactError
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ArchiveInfo, Manifest
 from runner.cache.signing import Keyring, sign
 from runner.cache.store import Artifact, Store, now_iso
+from runner.canonical import fingerprint_key
 
 CACHE_ROOTS = ["inductor", "triton"]
 """Subdirectories of a cache dir: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (dflash.compile_cache)."""

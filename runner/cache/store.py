@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.cache.errors import ArtifactError
-from runner.cache.fsutil import file_lock, make_private_dir, replace_dir
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ORIGIN_NAME, Manifest
+from runner.fsutil import file_lock, make_private_dir, replace_dir
 
 STORE_ENV = "DFLASH_CACHE_STORE"
 _KEY_DIR = re.compile(r"^[0-9a-f]{64}$")

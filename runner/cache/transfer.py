@@ -1,4 +1,4 @@
-"""push / pull artifacts to a remote store `USER@HOST:DIR` over ssh (runner.remote).
+"""push / pull artifacts to a remote store `USER@HOST:DIR` over ssh (runner.exec.remote).
 
 The remote side needs only a POSIX shell, mkdir, mv, rm, ls and sha256sum: no dflashctl there.
 Uploads land in a temp dir inside DIR and are renamed into place, so remote readers never see
@@ -13,12 +13,12 @@ import re
 import secrets
 import shlex
 
-from runner import remote
 from runner.cache.archive import verify_archive_hash
-from runner.cache.canonical import fingerprint_key
 from runner.cache.errors import ArtifactError, IntegrityError
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ORIGIN_NAME, Manifest
 from runner.cache.store import Artifact, Store, now_iso
+from runner.canonical import fingerprint_key
+from runner.exec import remote
 
 
 def parse_remote(spec: str) -> tuple[str, str]:

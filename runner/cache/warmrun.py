@@ -17,22 +17,21 @@ import contextlib
 import json
 import secrets
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner import remote
-from runner.cache.canonical import fingerprint_key
-from runner.cache.fsutil import make_private_dir
 from runner.cache.signing import Keyring
 from runner.cache.snapshot import snapshot
 from runner.cache.store import Artifact, Store
-from runner.cache.target import JobEnv
+from runner.canonical import fingerprint_key
 from runner.errors import RunnerError
+from runner.exec import remote
+from runner.exec.jobenv import JobEnv
+from runner.exec.stream import stream
+from runner.fsutil import make_private_dir
 
 WARM_STATS = "warm.json"
 _CONTAINER_OUT = "/dflash-warm"
@@ -134,29 +133,22 @@ def _stream(
     events: list[dict[str, Any]],
     on_event: Callable[[dict[str, Any]], None] | None,
 ) -> None:
-    argv = remote.remote_argv(env.host, env.argv(args))
-    with tempfile.TemporaryFile() as err:
+    def on_line(line: str) -> None:
+        line = line.strip()
+        if not line.startswith("{"):
+            return
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err)
-        except FileNotFoundError as e:
-            raise RunnerError(f"cannot run {argv[0]!r}: {e.strerror}; is it installed and on PATH?") from None
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and "event" in event:
-                events.append(event)
-                if on_event is not None:
-                    on_event(event)
-        rc = proc.wait()
-        if rc != 0:
-            err.seek(0)
-            tail = err.read().decode(errors="replace").strip().splitlines()[-20:]
-            raise RunnerError(
-                f"the warm run in {env.describe()} failed with exit code {rc}:\n" + "\n".join(tail)
-            )
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
+            if on_event is not None:
+                on_event(event)
+
+    stream(
+        remote.remote_argv(env.host, env.argv(args)),
+        on_line=on_line,
+        merge_stderr=False,
+        what=f"the warm run in {env.describe()}",
+    )

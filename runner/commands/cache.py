@@ -16,10 +16,10 @@ from runner.cache import transfer
 from runner.cache.restore import format_differences, restore
 from runner.cache.signing import check_signature, load_keyring
 from runner.cache.store import STORE_ENV, Artifact, Store, parse_age
-from runner.cache.target import JobEnv, job_fingerprint, job_image
 from runner.cache.verify import verify_artifact
 from runner.console import cli_errors, console, err_console
 from runner.errors import RunnerError
+from runner.exec.jobenv import JobEnv, job_fingerprint, job_image
 
 app = typer.Typer(
     help="Compile-cache artifacts: list, show, verify, restore, prune, push, pull.", no_args_is_help=True

@@ -13,11 +13,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from runner import docker
-from runner.console import cli_errors, console
+from runner.console import cli_errors, console, warn
 from runner.doctor import Report, collect, diagnose
 from runner.envs import LOCK_FILES, load_variant, project_root
 from runner.errors import RunnerError
+from runner.exec import docker
 from runner.lock import read_lock
 
 FAILED = 3
@@ -64,7 +64,7 @@ def doctor(
                 label = docker.image_labels(host, image).get("io.dflash.lock")
                 kind = next((k for k, f in LOCK_FILES.items() if f == label), None)
             lock_obj = read_lock(v.lock_path(kind or "full"))
-        fp = collect(python=python, image=image, host=host)
+        fp = collect(python=python, image=image, host=host, warn=warn)
         target = f"image {image}" if image else f"{python or fp['python']['executable']}"
         target += f" on {host}" if host else ""
         report = diagnose(fp, target=target, variant=v, lock=lock_obj)

@@ -11,13 +11,13 @@ import typer
 
 from runner.cache.signing import load_keyring
 from runner.cache.store import Store
-from runner.cache.target import JobEnv, job_image
 from runner.cache.warmrun import warm_cache
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console
-from runner.docker import host_has_nvidia
 from runner.envs import tomllib  # the one 3.10 fallback shim
 from runner.errors import RunnerError
+from runner.exec.docker import host_has_nvidia
+from runner.exec.jobenv import JobEnv, job_image
 
 
 def _wants_gpu(config: Path, host: str | None, sets: list[str]) -> bool:

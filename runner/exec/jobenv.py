@@ -10,9 +10,9 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
-from runner import remote
 from runner.errors import RunnerError
-from runner.remote import parse_json_tail
+from runner.exec import remote
+from runner.exec.remote import parse_json_tail
 
 
 def job_image(image: str | None, variant: str | None) -> str | None:
@@ -39,7 +39,7 @@ class JobEnv:
     """(host path, container path, read_only) for image runs."""
 
     def argv(self, module_args: list[str]) -> list[str]:
-        """The argv, for this machine or for runner.remote's host, that runs `python -m ...`."""
+        """The argv, for this machine or for runner.exec.remote's host, that runs `python -m ...`."""
         if self.image is None:
             return [self.python, "-m", *module_args]
         argv = ["docker", "run", "--rm", "-i", "--user", f"{os.getuid()}:{os.getgid()}"]

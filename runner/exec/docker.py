@@ -6,14 +6,13 @@ same command works on this machine and through ssh, and only the files the plan 
 
 from __future__ import annotations
 
-import collections
 import json
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runner import remote
 from runner.errors import RunnerError
+from runner.exec import remote
+from runner.exec.stream import stream as run_streamed
 
 
 def ensure_engine(host: str | None) -> None:
@@ -48,33 +47,26 @@ def stream(
     host: str | None, argv: Sequence[str], *, stdin_path: Path | None, on_line: Callable[[str], None]
 ) -> None:
     """Run argv (on host), feeding stdin_path, handing each output line to on_line as it arrives."""
-    full = remote.remote_argv(host, argv)
-    tail: collections.deque[str] = collections.deque(maxlen=30)
-    stdin = stdin_path.open("rb") if stdin_path else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(full, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    except FileNotFoundError as e:
-        raise RunnerError(f"cannot run {full[0]!r}: {e.strerror}; is it installed and on PATH?") from e
-    finally:
-        if stdin_path:
-            stdin.close()  # type: ignore[union-attr]
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.decode(errors="replace").rstrip()
-        tail.append(line)
-        on_line(line)
-    if proc.wait() != 0:
-        raise RunnerError(
-            f"`{' '.join(argv[:4])} ...` failed on {host or 'this machine'} with exit code "
-            f"{proc.returncode}; last lines:\n" + "\n".join(tail)
-        )
+    run_streamed(
+        remote.remote_argv(host, argv),
+        on_line=on_line,
+        stdin_path=stdin_path,
+        what=f"`{' '.join(argv[:4])} ...` on {host or 'this machine'}",
+    )
 
 
 def host_has_nvidia(host: str | None) -> bool:
     return remote.run(host, ["sh", "-c", "command -v nvidia-smi"], check=False).returncode == 0
 
 
-def run_python_source(host: str | None, image: str, source: str, *, timeout: float = 300) -> bytes:
+def run_python_source(
+    host: str | None,
+    image: str,
+    source: str,
+    *,
+    timeout: float = 300,
+    warn: Callable[[str], None] | None = None,
+) -> bytes:
     """stdout of `python -` fed `source`, inside a fresh container of image (no network). On a host
     with an NVIDIA driver the container gets the GPUs, so what it reports (CUDA, driver, GPU names)
     is what a job in it would see."""
@@ -90,11 +82,9 @@ def run_python_source(host: str | None, image: str, source: str, *, timeout: flo
                 raise
             # A driver but no NVIDIA container toolkit: docker cannot pass GPUs at all. Say so, and
             # report what a container does see.
-            from runner.console import err_console
-
-            err_console.print(
-                f"[yellow]warning:[/] {host or 'this machine'} has an NVIDIA driver but docker cannot "
-                "give containers GPUs (install the NVIDIA container toolkit); probing without GPUs",
-                highlight=False,
-            )
+            if warn is not None:
+                warn(
+                    f"{host or 'this machine'} has an NVIDIA driver but docker cannot give containers "
+                    "GPUs (install the NVIDIA container toolkit); probing without GPUs"
+                )
     return remote.run(host, [*base, *tail], input=source.encode(), timeout=timeout).stdout
