@@ -86,7 +86,7 @@ def warm_cache(
             make_private_dir(Path(out_dir)) if env.host is None else remote.run(
                 env.host, ["mkdir", "-p", out_dir]
             )
-            env.mounts = [(out_dir, _CONTAINER_OUT, False), (cfg_arg, _CONTAINER_CFG, True)]
+            env.mounts = [*env.mounts, (out_dir, _CONTAINER_OUT, False), (cfg_arg, _CONTAINER_CFG, True)]
             job_out, job_cfg = _CONTAINER_OUT, _CONTAINER_CFG
         else:
             job_out, job_cfg = out_dir, cfg_arg

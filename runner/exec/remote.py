@@ -265,3 +265,9 @@ def parse_json_tail(stdout: bytes, what: str, hint: str) -> dict[str, Any]:
             if isinstance(value, dict):
                 return value
     raise RunnerError(f"{what} printed no JSON result; {hint}")
+
+
+def write_file(host: str | None, path: str, data: bytes) -> None:
+    """Write a file on host atomically (temp file + rename in the same directory)."""
+    script = 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp.$$" && mv -f "$1.tmp.$$" "$1"'
+    run(host, ["sh", "-c", script, "sh", path], input=data, timeout=120)

@@ -1,0 +1,137 @@
+"""`dflashctl run CONFIG.toml`: check every host, restore the compile cache, launch, record."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from runner.cache.store import Store
+from runner.commands.cache import StoreOpt
+from runner.console import cli_errors, console, err_console, warn
+from runner.errors import RunnerError
+from runner.exec import remote
+from runner.exec.jobenv import job_image
+from runner.launch import foreground
+from runner.launch.apply import apply, wait_started
+from runner.launch.plan import BACKENDS, Request, RunPlan, build_plan, new_run_id, shell_line
+from runner.launch.preflight import config_value, preflight
+from runner.launch.registry import Registry, check_name
+
+
+def _render(plan: RunPlan) -> None:
+    console.print(f"[bold]run[/] {plan.run_id}  backend {plan.backend}  nodes {plan.nnodes}", highlight=False)
+    if plan.rdzv_endpoint:
+        console.print(f"  rendezvous {plan.rdzv_endpoint}", highlight=False)
+    for hp in plan.hosts:
+        console.print(f"[bold]node {hp.node_rank}[/] on {hp.host or 'this machine'}", highlight=False)
+        console.print(f"  run dir   {hp.run_dir}", highlight=False)
+        console.print(
+            f"  cache     {hp.cache_action} {str(hp.cache_key)[:16]} at {hp.cache_dir}", highlight=False
+        )
+        if hp.tmux_session:
+            console.print(f"  tmux      {hp.tmux_session}:{hp.tmux_window}", highlight=False)
+        if hp.container:
+            labels = " ".join(f"{k}={v}" for k, v in hp.labels.items())
+            console.print(f"  container {hp.container} (shm {hp.shm_bytes}) {labels}", highlight=False)
+            for m in hp.mounts:
+                console.print(f"  mount     {m.arg()}", highlight=False)
+        console.print(f"  command   {shell_line(hp, log=False)}", highlight=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def run_cmd(
+        config: Annotated[Path, typer.Argument(help="Job config TOML (e.g. configs/demo-cpu.toml).")],
+        backend: Annotated[str, typer.Option(help=f"Where the job runs: {' | '.join(BACKENDS)}.")] = "tmux",
+        hosts: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--host", help="USER@HOST[:PORT], once per host (node ranks in order); default here."
+            ),
+        ] = None,
+        variant: Annotated[
+            str | None, typer.Option(help="Variant (envs/V): its image with docker, drift check always.")
+        ] = None,
+        image: Annotated[str | None, typer.Option(help="Container image to run (--backend docker).")] = None,
+        venv: Annotated[
+            str | None, typer.Option(help="Job environment: this venv on the host (mounted into --image).")
+        ] = None,
+        name: Annotated[str | None, typer.Option(help="Run name (default: the config's run.name).")] = None,
+        sets: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value.")] = None,
+        warm: Annotated[
+            bool, typer.Option(help="No cache artifact for this fingerprint: warm one first.")
+        ] = False,
+        allow_drift: Annotated[bool, typer.Option(help="Launch even if doctor finds drift.")] = False,
+        runs_root: Annotated[
+            str | None, typer.Option(help="Runs root on every host (default: the config's run.runs_root).")
+        ] = None,
+        rdzv_port: Annotated[
+            int | None, typer.Option(help="Port of host 0's rendezvous (several hosts).")
+        ] = None,
+        dry_run: Annotated[bool, typer.Option(help="Check and print the plan; start nothing.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+        store: StoreOpt = None,
+    ) -> None:
+        """Check the environment on every host, put the compile cache in place, launch, record."""
+        code = 0
+        with cli_errors(), remote.connections():
+            sets = sets or []
+            img = job_image(image, variant) if backend == "docker" else image
+            req = Request(
+                config=str(config),
+                backend=backend,
+                hosts=list(hosts) if hosts else [None],
+                name=name,
+                sets=sets,
+                python=f"{venv.rstrip('/')}/bin/python" if venv else None,
+                image=img,
+                variant=variant,
+                runs_root=runs_root,
+                warm=warm,
+                allow_drift=allow_drift,
+                rdzv_port=rdzv_port,
+            )
+            req.name = check_name(name or str(config_value(config, sets, "run.name", "dflash")))
+            run_id = new_run_id(req.name)
+            st = Store(store)
+            facts = preflight(req, run_id=run_id, name=req.name, store=st, warn=warn)
+            plan = build_plan(req, facts, run_id=run_id, config_name=config.stem)
+            for w in plan.warnings:
+                warn(w)
+            if dry_run:
+                if as_json:
+                    typer.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+                else:
+                    _render(plan)
+                return
+            say = (
+                (lambda m: err_console.print(m, highlight=False))
+                if as_json
+                else (lambda m: console.print(m, highlight=False))
+            )
+            apply(plan, req, store=st, registry=Registry(), progress=say)
+            if as_json:
+                typer.echo(json.dumps(plan.to_dict(), sort_keys=True))
+            if backend == "foreground":
+                say(f"run {plan.run_id}: running in this terminal (Ctrl-C stops it with a checkpoint)")
+                code = foreground.run(plan.hosts)
+            else:
+                dead = wait_started(plan, timeout=8.0)
+                if dead:
+                    raise RunnerError(
+                        f"run {plan.run_id}: the supervisor exited at once on {', '.join(dead)}; see "
+                        f"`dflashctl logs {plan.run_id}`"
+                    )
+                if not as_json:
+                    console.print(f"[green]started[/] {plan.run_id}", highlight=False)
+                    console.print(
+                        f"  dflashctl ps | dflashctl logs {shlex.quote(plan.run_id)} --follow | "
+                        f"dflashctl attach {plan.run_id} | dflashctl stop {plan.run_id}",
+                        highlight=False,
+                    )
+        if code:
+            raise typer.Exit(code)

@@ -1,0 +1,71 @@
+"""foreground backend: the supervisor runs in this terminal (CI, Slurm, a container entrypoint),
+with the same plan and records as the other backends; its output also goes to
+logs/supervisor.log. Ctrl-C reaches the job as SIGINT (a graceful stop with a checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from runner.exec import remote
+from runner.launch.plan import SUPERVISOR_LOG, HostPlan, shell_line
+
+
+def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = None) -> int:
+    """Start every host's supervisor, stream their output, and return the worst exit code."""
+    procs: list[subprocess.Popen[bytes]] = []
+    for hp in hosts:
+        if hp.host is None:
+            # Local: the job writes through us into the log, so a dying tee cannot break its pipe.
+            procs.append(
+                subprocess.Popen(
+                    hp.argv,
+                    cwd=hp.cwd,
+                    env={**os.environ, **hp.env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        else:
+            # -t: Ctrl-C travels to the remote job as SIGINT through its terminal.
+            argv = remote.remote_argv(hp.host, ["sh", "-c", shell_line(hp, log=True)], tty=sys.stdin.isatty())
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    emit = on_line or (lambda prefix, line: print(f"{prefix}{line}", flush=True))
+    prefix = len(hosts) > 1
+
+    def pump(hp: HostPlan, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        # Remote hosts tee into their own run directory; a local job writes its log through us.
+        path = f"{hp.run_dir}/{SUPERVISOR_LOG}" if hp.host is None else os.devnull
+        with open(path, "ab") as log:
+            for raw in proc.stdout:
+                log.write(raw)
+                log.flush()
+                emit(f"[node{hp.node_rank}] " if prefix else "", raw.decode(errors="replace").rstrip("\n"))
+
+    threads = [
+        threading.Thread(target=pump, args=(hp, p), daemon=True) for hp, p in zip(hosts, procs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    # The job gets Ctrl-C from the terminal itself (same process group); we only wait for it.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old_term = signal.signal(signal.SIGTERM, forward)
+    try:
+        codes = [p.wait() for p in procs]
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
+    return max(codes, key=abs) if codes else 0

@@ -1,0 +1,107 @@
+"""The local run registry: one JSON file per launched run under the XDG state dir, saying where the
+run lives (hosts, run directories, backend names), so ps/logs/stop/attach find it from the launching
+machine whether it runs here or on a host."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.errors import RunnerError
+from runner.fsutil import atomic_write_text
+
+STATE_ENV = "DFLASH_STATE_DIR"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,47}$")
+"""Run names become tmux session and container names, where '.' and ':' are separators."""
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise RunnerError(
+            f"run name {name!r} is not allowed: use 1-48 letters, digits, '_' or '-', starting with a "
+            "letter or digit (it names the tmux session and the containers)"
+        )
+    return name
+
+
+def state_dir() -> Path:
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "dflashctl"
+
+
+@dataclass(kw_only=True, slots=True)
+class HostRecord:
+    node_rank: int
+    host: str | None
+    run_dir: str
+    tmux_session: str | None = None
+    tmux_window: str | None = None
+    container: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    run_id: str
+    name: str
+    backend: str
+    created_at: float
+    config: str
+    hosts: list[HostRecord] = field(default_factory=list)
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    """Per node rank, what the backend ran: what `watch` relaunches with."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunRecord:
+        hosts = [HostRecord(**h) for h in d.get("hosts", [])]
+        return cls(**{**d, "hosts": hosts})
+
+
+class Registry:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = (root or state_dir()) / "runs"
+
+    def save(self, rec: RunRecord) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.root / f"{rec.run_id}.json"
+        atomic_write_text(path, json.dumps(rec.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    def remove(self, run_id: str) -> None:
+        (self.root / f"{run_id}.json").unlink(missing_ok=True)
+
+    def all(self) -> list[RunRecord]:
+        out = []
+        for p in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            try:
+                out.append(RunRecord.from_dict(json.loads(p.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue  # one damaged entry must not hide every other run
+        return sorted(out, key=lambda r: r.created_at)
+
+    def find(self, ref: str) -> RunRecord:
+        """By run id, unique id prefix, or name (the newest run of that name)."""
+        runs = self.all()
+        for r in runs:
+            if r.run_id == ref:
+                return r
+        by_prefix = [r for r in runs if r.run_id.startswith(ref)]
+        if len(by_prefix) == 1:
+            return by_prefix[0]
+        by_name = [r for r in runs if r.name == ref]
+        if by_name:
+            return by_name[-1]
+        if len(by_prefix) > 1:
+            raise RunnerError(
+                f"{ref!r} matches {len(by_prefix)} runs ({', '.join(r.run_id for r in by_prefix[:5])}); "
+                "give more of the run id"
+            )
+        raise RunnerError(f"no run {ref!r} in {self.root}; `dflashctl ps --all` lists the known runs")

@@ -1,0 +1,203 @@
+"""Read one host's run directory in one shell call: see runner/rundir/__init__.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.errors import RunnerError
+from runner.exec import remote
+
+RUN_FORMAT = 1
+"""run.json `format` this reader understands; a newer one is refused with advice to upgrade."""
+
+METRICS_TAIL_BYTES = 256 << 10
+EVENTS_TAIL_BYTES = 512 << 10
+
+_SCRIPT = r"""
+M="$1"
+cd "$2" 2>/dev/null || { echo "$M missing"; exit 0; }
+echo "$M run.json"; cat run.json 2>/dev/null
+echo; echo "$M lock"; stat -c '%i %d' job.lock 2>/dev/null
+echo "$M locks"; cat /proc/locks 2>/dev/null
+echo "$M metrics"; tail -c "$3" metrics.jsonl 2>/dev/null
+echo; echo "$M events"; tail -c "$4" events.jsonl 2>/dev/null
+for f in workers/*.json; do
+  [ -f "$f" ] || continue
+  echo; echo "$M worker $f"; cat "$f"
+done
+echo; echo "$M end"
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RunLocation:
+    """A run directory as the host that holds it sees it; host None: this machine."""
+
+    run_dir: str
+    host: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.host}:{self.run_dir}" if self.host else self.run_dir
+
+
+@dataclass(kw_only=True, slots=True)
+class RunView:
+    location: RunLocation
+    exists: bool
+    manifest: dict[str, Any] | None = None
+    lock_pid: int | None = None
+    """Pid holding job.lock (from /proc/locks, in the reading host's pid namespace), if held."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    read_at: float = field(default_factory=time.time)
+
+    @property
+    def running(self) -> bool:
+        return self.lock_pid is not None
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        return self.metrics[-1] if self.metrics else None
+
+    def last_lifecycle(self) -> dict[str, Any] | None:
+        """The newest started / launched / stopped event (a resume appends a new start)."""
+        for e in reversed(self.events):
+            if e.get("event") in ("started", "launched", "stopped"):
+                return e
+        return None
+
+    def state(self, *, started_at: float | None = None, grace_s: float = 120.0) -> str:
+        """running | starting | stopped | failed | stale: what `dflashctl ps` shows."""
+        if not self.exists:
+            return "stale"
+        if self.running:
+            return "running"
+        last = self.last_lifecycle()
+        if last is not None and last.get("event") == "stopped":
+            reason = str(last.get("reason", ""))
+            return "stopped" if reason == "completed" or reason.startswith("signal") else "failed"
+        job_started = bool((self.manifest or {}).get("command_lines"))
+        if not job_started and started_at is not None and time.time() - started_at < grace_s:
+            return "starting"
+        # No process holds the directory and no final event: killed hard, or never came up.
+        return "stale" if job_started else "failed"
+
+    def stop_reason(self) -> str | None:
+        last = self.last_lifecycle()
+        return str(last.get("reason")) if last and last.get("event") == "stopped" else None
+
+
+def _jsonl(text: str) -> list[dict[str, Any]]:
+    """Complete records; the cut-off first line of a tail and a torn last line are skipped."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _lock_holder(stat_line: str, locks: str) -> int | None:
+    """The pid holding an flock on the file whose `stat -c '%i %d'` is stat_line, per /proc/locks
+    (`1: FLOCK  ADVISORY  WRITE <pid> <maj>:<min>:<inode> 0 EOF`, major/minor in hex). Reading it
+    takes no lock, so a reader can never make a starting job think its directory is in use."""
+    try:
+        inode_s, dev_s = stat_line.split()
+        inode, dev = int(inode_s), int(dev_s)
+    except ValueError:
+        return None
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{inode}"
+    for line in locks.splitlines():
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue  # "->" marks a waiter, not the holder
+        if parts[5] == want:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
+
+
+def read_run(
+    loc: RunLocation, *, metrics_bytes: int = METRICS_TAIL_BYTES, events_bytes: int = EVENTS_TAIL_BYTES
+) -> RunView:
+    marker = f"@@dflash-{secrets.token_hex(6)}"
+    argv = ["sh", "-c", _SCRIPT, "sh", marker, loc.run_dir, str(metrics_bytes), str(events_bytes)]
+    proc = remote.run(loc.host, argv, timeout=60)
+    sections: dict[str, str] = {}
+    name = None
+    chunk: list[str] = []
+    for line in proc.stdout.decode(errors="replace").splitlines():
+        if line.startswith(marker + " "):
+            if name is not None:
+                sections[name] = "\n".join(chunk)
+            name, chunk = line[len(marker) + 1 :], []
+        else:
+            chunk.append(line)
+    if name is not None:
+        sections[name] = "\n".join(chunk)
+    if "missing" in sections:
+        return RunView(location=loc, exists=False)
+    if "end" not in sections:
+        raise RunnerError(f"reading the run directory {loc.describe()} was cut short; try again")
+    manifest = None
+    if sections.get("run.json", "").strip():
+        try:
+            manifest = json.loads(sections["run.json"])
+        except json.JSONDecodeError:
+            manifest = None  # being rewritten is impossible (atomic), so it is damaged: treat as absent
+    if manifest is not None and int(manifest.get("format", 0) or 0) > RUN_FORMAT:
+        raise RunnerError(
+            f"{loc.describe()}/run.json has format {manifest['format']}, newer than this dflashctl "
+            f"reads ({RUN_FORMAT}); upgrade dflashctl"
+        )
+    heartbeats = {}
+    for key, text in sections.items():
+        if key.startswith("worker "):
+            base = key.split("/")[-1].removesuffix(".json")
+            if base.endswith(".data"):
+                continue  # a target's data position, not a heartbeat
+            try:
+                heartbeats[base] = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+    return RunView(
+        location=loc,
+        exists=True,
+        manifest=manifest,
+        lock_pid=_lock_holder(sections.get("lock", "").strip(), sections.get("locks", "")),
+        metrics=_jsonl(sections.get("metrics", "")),
+        events=_jsonl(sections.get("events", "")),
+        heartbeats=heartbeats,
+    )
+
+
+def append_event(loc: RunLocation, event: str, **fields: Any) -> dict[str, Any]:
+    """Append one record to events.jsonl as the job does (one O_APPEND write), source `watch` or
+    `dflashctl`: the run's history keeps what the runner saw and did beside what the job did."""
+    rec = {"t": time.time(), "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+    line = json.dumps(rec, default=str, allow_nan=False) + "\n"
+    script = 'cat >> "$1/events.jsonl"'
+    remote.run(loc.host, ["sh", "-c", script, "sh", loc.run_dir], input=line.encode(), timeout=60)
+    return rec
+
+
+def tail_argv(loc: RunLocation, rel: str, *, lines: int, follow: bool) -> list[str]:
+    """argv (for this machine) that prints the last lines of a file in the run dir, and follows it."""
+    path = f"{loc.run_dir.rstrip('/')}/{rel}"
+    argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), "--", path]
+    return remote.remote_argv(loc.host, argv)
