@@ -1,7 +1,8 @@
 """Job configuration: nested dataclasses loaded from TOML, with `--set key=value` overrides.
 
 Precedence, spelled out once: `--set` overrides > the TOML file > the defaults below.
-Unknown keys and bad values raise ConfigError naming the dotted key.
+Unknown keys and bad values raise ConfigError naming the dotted key (load_config, the job: the first
+one); collect_config gathers them all instead (dflash.check, before a job starts).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ class TargetConfig:
     """Hidden size of the `tiny` target."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError("target.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+        # Required values are checked last: collect_config resets a bad key to its default and
+        # retries, which a missing required value ends, so every other check must have run first.
         if not self.path:
             raise ConfigError(
                 "target.path", "is required: a local HF model directory, or `tiny` for the demo"
             )
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError("target.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,14 +159,14 @@ class DataConfig:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("data.path", "is required: a JSONL file, or `demo`")
         if self.tokenizer not in ("target", "byte"):
             raise ConfigError("data.tokenizer", f"must be target or byte, got {self.tokenizer!r}")
         if self.max_seq_len < 8:
             raise ConfigError("data.max_seq_len", "must be >= 8")
         if self.bucket_multiple < 1:
             raise ConfigError("data.bucket_multiple", "must be >= 1")
+        if not self.path:  # last, as in TargetConfig
+            raise ConfigError("data.path", "is required: a JSONL file, or `demo`")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,22 +360,70 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), "config file not found; pass a TOML file such as configs/demo-cpu.toml")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(p), f"is not valid TOML: {e}") from e
+
+
 def load_config(
     path: str | Path | None, overrides: list[str] | None = None, data: dict[str, Any] | None = None
 ) -> JobConfig:
     if data is None:
         data = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(str(p), "config file not found; pass a TOML file such as configs/demo-cpu.toml")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(str(p), f"is not valid TOML: {e}") from e
+        data = read_config_file(path)
     data = apply_overrides(data, overrides or [])
     cfg = _build(JobConfig, data)
     return cfg
+
+
+def collect_config(data: dict[str, Any]) -> tuple[JobConfig | None, list[ConfigError]]:
+    """Every error of a config at once, for dflash.check (load_config stops at the first): a bad or
+    unknown key is recorded and left at its default, and each section is built again until it
+    builds. The config is None when a section cannot be built at all (a required value missing)."""
+    errors: list[ConfigError] = []
+    return _collect(JobConfig, data, "", errors), errors
+
+
+def _collect(cls: type, data: dict[str, Any], prefix: str, errors: list[ConfigError]) -> Any:
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    buildable = True
+    for name, f in fields.items():
+        if dataclasses.is_dataclass(hints[name]):  # a section: built even when absent, to name its keys
+            value = data.get(name, {})
+            if isinstance(value, dict):
+                kwargs[name] = _collect(hints[name], value, f"{prefix}{name}.", errors)
+                buildable = buildable and kwargs[name] is not None
+            else:
+                errors.append(ConfigError(f"{prefix}{name}", f"must be a table, got {type(value).__name__}"))
+                buildable = buildable and f.default_factory is not dataclasses.MISSING
+    for key, value in data.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            errors.append(ConfigError(f"{prefix}{key}", f"unknown key; known keys here: {known}"))
+        elif not dataclasses.is_dataclass(hints[key]):
+            try:
+                kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+            except ConfigError as e:
+                errors.append(e)
+    if not buildable:
+        return None
+    while True:
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            errors.append(e)
+            name = e.key.removeprefix(prefix)
+            if name not in kwargs:  # the default itself is refused: a required value is missing
+                return None
+            del kwargs[name]
 
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:

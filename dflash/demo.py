@@ -183,16 +183,20 @@ def _tiny_complete(path: Path, spec: dict[str, int | bool]) -> bool:
         return False
 
 
+def check_tiny(layers: int, hidden: int) -> None:
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise DFlashError(
+            f"tiny target: layers must be >= 1 and hidden a multiple of 16, got {layers}, {hidden}"
+        )
+
+
 def make_tiny_target(
     path: Path, *, layers: int = 8, hidden: int = 64, seed: int = 0, tie_embeddings: bool = False
 ) -> Path:
     """A tiny random Qwen3ForCausalLM + tokenizer saved in the HF format (bf16 safetensors). Reused when
     a complete one with the same parameters exists; built in a temp dir and renamed into place."""
     path = Path(path)
-    if layers < 1 or hidden < 16 or hidden % 16:
-        raise DFlashError(
-            f"tiny target: layers must be >= 1 and hidden a multiple of 16, got {layers}, {hidden}"
-        )
+    check_tiny(layers, hidden)
     spec: dict[str, int | bool] = {
         "version": 1,
         "layers": layers,

@@ -12,6 +12,7 @@ class ConfigError(DFlashError, ValueError):
 
     def __init__(self, key: str, problem: str) -> None:
         self.key = key
+        self.problem = problem
         super().__init__(f"config: {key}: {problem}")
 
 

@@ -6,7 +6,7 @@ prints {"key", "fingerprint"} as one JSON line. Without CONFIG only the environm
 parts are printed (key null): what `dflashctl cache restore` compares when no config is given.
 
 key = sha256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the fingerprint; runner/
-cache/canonical.py spells the same form and the two must agree byte for byte.
+runner/canonical.py spells the same form and the two must agree byte for byte.
 """
 
 from __future__ import annotations

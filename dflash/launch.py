@@ -2,7 +2,7 @@
 
     python -m dflash.launch CONFIG [--set k=v ...] [--run-dir DIR]
         [--nnodes N --node-rank I --rdzv-endpoint HOST:PORT]    # several hosts: one command per host
-    python -m dflash.launch CONFIG --plan                       # print the command of every host
+    python -m dflash.launch CONFIG --plan [--json]              # print the command of every host
 
 The supervisor (this process) creates the run directory and the host's hidden-state queue, starts one
 process per target worker and runs the drafters under torchrun (torch.distributed.elastic) with
@@ -15,6 +15,7 @@ checkpoint); a second signal kills everything at once.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (overrides pipeline.rdzv_endpoint)"
     )
     p.add_argument("--plan", action="store_true", help="print the command each host runs, then exit")
+    p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
     return p.parse_args(argv)
 
 
@@ -56,7 +58,7 @@ LOCAL_ENDPOINT = "127.0.0.1:0"
 
 def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
     """The largest batch the targets can publish: each length bucket pads to a fixed row count."""
-    from dflash.trainer import rows_for_length
+    from dflash.resolve import rows_for_length
 
     if cfg.pipeline.slot_mb:
         return cfg.pipeline.slot_mb << 20
@@ -272,8 +274,6 @@ class Supervisor:
     def group_formed(self) -> bool:
         """Whether this launch's drafter group formed at least once: torchrun starts its workers
         only after the rendezvous, and each worker's heartbeat records when it started."""
-        import json
-
         for path in self.run.workers.glob("drafter-*.json"):
             try:
                 if json.loads(path.read_text()).get("started_at", 0) >= self.launched_at:
@@ -321,17 +321,56 @@ class Supervisor:
         }
 
 
-def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> list[str]:
+def host_problems(
+    cfg: JobConfig, nnodes_arg: int | None, node_rank: int, endpoint_arg: str | None
+) -> tuple[int, str, list[tuple[str, str]]]:
+    """(nnodes, rendezvous endpoint, problems as (config key, message)) of a launch's host arguments:
+    every rule the group needs, checked before anything starts (dflash.check reports them all)."""
+    problems: list[tuple[str, str]] = []
+    if nnodes_arg is not None and nnodes_arg < 1:
+        problems.append(("pipeline.nnodes", f"--nnodes must be >= 1, got {nnodes_arg}"))
+    nnodes = nnodes_arg if nnodes_arg is not None and nnodes_arg >= 1 else cfg.pipeline.nnodes
+    if not 0 <= node_rank < nnodes:
+        problems.append(
+            ("pipeline.nnodes", f"--node-rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
+        )
+    # One host: port 0, so the rendezvous store binds a free port itself (as `torchrun --standalone`
+    # does). A port picked here and bound seconds later could be taken meanwhile, and c10d would
+    # then join whatever store listens there, possibly another job's group.
+    endpoint = endpoint_arg or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else LOCAL_ENDPOINT)
+    if nnodes > 1 and not endpoint:
+        problems.append(
+            (
+                "pipeline.rdzv_endpoint",
+                f"{nnodes} hosts need a rendezvous: pass --rdzv-endpoint HOST0:PORT (or set "
+                "pipeline.rdzv_endpoint), an address of host 0 that every host can reach, e.g. "
+                "10.0.0.1:29400 (127.0.0.1 only when every launch runs on this machine)",
+            )
+        )
+    if nnodes > 1 and cfg.train.keep_last < 2:
+        problems.append(
+            (
+                "train.keep_last",
+                "train.keep_last must be >= 2 with several hosts: a restarted group resumes from the "
+                "newest step every host still holds, which can be one behind on some hosts",
+            )
+        )
+    return nnodes, endpoint, problems
+
+
+def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -> dict[str, Any]:
+    """Every host's command as data (`--plan --json` prints it; plain `--plan` renders it as shell
+    lines): module_args follow `python -m`, so a runner can put each host's own interpreter first."""
     # Run directories are per host: checkpoints are written by every host's local rank 0. Stamped
     # like open_run_dir's default, so running a plan again starts a new run instead of resuming.
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = args.run_dir or str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
     sets = set_args(args.overrides)
-    return [
-        shlex.join(
-            [
-                sys.executable,
-                "-m",
+    hosts = [
+        {
+            "node_rank": i,
+            "run_dir": f"{run_dir}-node{i}",
+            "module_args": [
                 "dflash.launch",
                 args.config,
                 *sets,
@@ -343,39 +382,30 @@ def plan(cfg: JobConfig, args: argparse.Namespace, nnodes: int, endpoint: str) -
                 str(i),
                 "--rdzv-endpoint",
                 endpoint,
-            ]
-        )
+            ],
+        }
         for i in range(nnodes)
     ]
+    return {"nnodes": nnodes, "rdzv_endpoint": endpoint, "run_dir": run_dir, "hosts": hosts}
+
+
+def plan_lines(p: dict[str, Any]) -> list[str]:
+    return [shlex.join([sys.executable, "-m", *host["module_args"]]) for host in p["hosts"]]
 
 
 def launch(args: argparse.Namespace) -> int:
     from dflash.pipeline.transport import HiddenStateQueue, name_for_run
     from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
 
+    if args.json and not args.plan:
+        raise DFlashError("--json goes with --plan (the config check is `python -m dflash.check`)")
     cfg = load_config(args.config, args.overrides)
-    if args.nnodes is not None and args.nnodes < 1:
-        raise DFlashError(f"--nnodes must be >= 1, got {args.nnodes}")
-    nnodes = args.nnodes or cfg.pipeline.nnodes
-    if not 0 <= args.node_rank < nnodes:
-        raise DFlashError(f"--node-rank {args.node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
-    # One host: port 0, so the rendezvous store binds a free port itself (as `torchrun --standalone`
-    # does). A port picked here and bound seconds later could be taken meanwhile, and c10d would
-    # then join whatever store listens there, possibly another job's group.
-    endpoint = args.rdzv_endpoint or (cfg.pipeline.rdzv_endpoint if nnodes > 1 else LOCAL_ENDPOINT)
-    if nnodes > 1 and not endpoint:
-        raise DFlashError(
-            f"{nnodes} hosts need a rendezvous: pass --rdzv-endpoint HOST0:PORT (or set "
-            "pipeline.rdzv_endpoint), an address of host 0 that every host can reach, e.g. "
-            "10.0.0.1:29400 (127.0.0.1 only when every launch runs on this machine)"
-        )
-    if nnodes > 1 and cfg.train.keep_last < 2:
-        raise DFlashError(
-            "train.keep_last must be >= 2 with several hosts: a restarted group resumes from the "
-            "newest step every host still holds, which can be one behind on some hosts"
-        )
+    nnodes, endpoint, problems = host_problems(cfg, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    if problems:
+        raise DFlashError(problems[0][1])
     if args.plan:
-        print("\n".join(plan(cfg, args, nnodes, endpoint)))
+        p = plan(cfg, args, nnodes, endpoint)
+        print(json.dumps(p) if args.json else "\n".join(plan_lines(p)))
         return 0
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts

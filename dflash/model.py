@@ -26,6 +26,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash.attention import AttentionBackend, make_backend
 from dflash.errors import ConfigError
+from dflash.resolve import default_target_layer_ids as default_target_layer_ids  # importable from here
+from dflash.resolve import target_layer_ids
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -188,15 +190,6 @@ class DrafterSpec:
         )
 
 
-def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
-    """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
-    start = 1 if n_target_layers > 1 else 0
-    end = max(start, n_target_layers - 3)
-    if k == 1:
-        return [n_target_layers // 2]  # the reference's choice for a single layer: the middle one
-    return sorted({round(start + i * (end - start) / (k - 1)) for i in range(k)})
-
-
 def _target_rope_theta(target_config: Any) -> float:
     params = getattr(target_config, "rope_parameters", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
@@ -207,15 +200,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
     """DrafterConfig (0 / empty = take it from the target) + the target's PretrainedConfig -> sizes."""
     n_target = int(target_config.num_hidden_layers)
     target_hidden = int(target_config.hidden_size)
-    ids = list(cfg.target_layer_ids) or default_target_layer_ids(n_target, cfg.num_target_layers)
-    for i in ids:
-        if not 0 <= i < n_target:
-            raise ConfigError(
-                "drafter.target_layer_ids",
-                f"layer {i} does not exist: the target has {n_target} layers (0..{n_target - 1})",
-            )
-    if len(set(ids)) != len(ids):
-        raise ConfigError("drafter.target_layer_ids", f"has duplicates: {ids}")
+    ids = target_layer_ids(cfg, n_target)
     hidden = cfg.hidden_size or target_hidden
     if hidden != target_hidden:
         raise ConfigError(
@@ -239,7 +224,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
         sliding_window=cfg.sliding_window,
         sliding_block_causal=cfg.sliding_block_causal,
         block_size=cfg.block_size,
-        target_layer_ids=sorted(ids),
+        target_layer_ids=ids,
         mask_token_id=mask_token_id,
         vocab_size=vocab,
         rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),

@@ -25,6 +25,10 @@ from typing import Any
 
 from dflash.errors import DFlashError
 
+RUN_FORMAT = 1
+"""run.json's `format`: the version of this directory layout. dflashctl may create the directory
+first with a stub run.json of its own ({format, run_id, runner}); the job fills in the rest."""
+
 HEARTBEAT_INTERVAL_S = 1.0
 """Heartbeats are rewritten at least this often (the contract says at least every 2 s)."""
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from dflash.config import JobConfig
-from dflash.rundir import RunDir, format_status_line
+from dflash.errors import DFlashError
+from dflash.rundir import RUN_FORMAT, RunDir, format_status_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ def _git_commit() -> str | None:
 
 
 def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir:
-    """The run directory: created with its manifest when new; an existing one is resumed.
-    Also points inductor and triton at DFLASH_CACHE_DIR, before anything compiles."""
+    """The run directory: created with its manifest when new, or when dflashctl made it with a
+    stub run.json (no `config` yet); one whose run.json has a config is resumed. Also points inductor and triton at DFLASH_CACHE_DIR, before anything compiles."""
     from dflash.compile_cache import cache_dir_from_env
 
     cache_dir_from_env()
@@ -45,12 +46,15 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
     run = RunDir(run_dir).create()
     run.hold()
     commands = [{"t": time.time(), "host": socket.gethostname(), "argv": argv}]
-    if run.manifest.exists():
-        manifest = run.read_manifest()
+    manifest = _existing_manifest(run)
+    if "config" in manifest:  # the job wrote it at its first start: a resume
+        manifest.setdefault("format", RUN_FORMAT)
         manifest.setdefault("command_lines", []).extend(commands)
-    else:
+    else:  # new, or created by dflashctl (its `runner` fields and any others are kept as they are)
         manifest = {
+            "format": RUN_FORMAT,
             "run_id": run.root.name,
+            **manifest,
             "config": cfg.to_dict(),
             "started_at": time.time(),
             "project_commit": _git_commit(),
@@ -62,6 +66,27 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
         }
     run.write_manifest(manifest)
     return run
+
+
+def _existing_manifest(run: RunDir) -> dict[str, Any]:
+    """run.json as found ({} when absent), refused when this job cannot honour its format."""
+    if not run.manifest.exists():
+        return {}
+    try:
+        manifest = run.read_manifest()
+    except (OSError, ValueError) as e:
+        raise DFlashError(
+            f"{run.manifest} cannot be read ({e}); fix or remove it, or pass another --run-dir"
+        ) from e
+    if not isinstance(manifest, dict):
+        raise DFlashError(f"{run.manifest} is not a JSON object; fix or remove it, or pass another --run-dir")
+    found = manifest.get("format", RUN_FORMAT)
+    if found != RUN_FORMAT:
+        raise DFlashError(
+            f"{run.manifest} has format {found!r} but this job writes format {RUN_FORMAT}: run the job "
+            "from the same dflash version as the dflashctl that created the run directory"
+        )
+    return manifest
 
 
 def _restored_key() -> str | None:
@@ -243,8 +268,6 @@ class DrafterSide:
         if differ:
             # Same tensor shapes can still mean another drafter (other target layers, mask token,
             # layer types): resuming would silently train a different model.
-            from dflash.errors import DFlashError
-
             raise DFlashError(
                 f"checkpoint {path} is of a different drafter than this config resolves to "
                 f"(differs in: {', '.join(differ)}); resume with the config it was trained with, "

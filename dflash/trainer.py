@@ -17,40 +17,14 @@ import torch
 from torch import nn
 
 from dflash.config import JobConfig
-from dflash.data import bucket_rows
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
 
-
-def resolve_device(cfg: JobConfig) -> torch.device:
-    if cfg.run.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.run.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device", "is cuda but no CUDA device is visible; use cpu or auto")
-    return torch.device(cfg.run.device)
-
-
-def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
-    """flex on GPU, sdpa on CPU (FlexAttention has no backward on CPU)."""
-    backend = cfg.attention.backend
-    if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    if backend == "flex" and device.type == "cpu":
-        raise ConfigError(
-            "attention.backend", "flex cannot train on CPU (no backward there); use sdpa or auto"
-        )
-    return backend
-
-
-def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
-    s = str(cfg.attention.strict_kernels).lower()
-    return device.type == "cuda" if s == "auto" else s == "true"
-
-
-def rows_for_length(cfg: JobConfig, length: int) -> int:
-    """Rows of every batch of one length bucket: batches are padded up to it so each bucket is one shape."""
-    return bucket_rows(cfg.train.token_budget, cfg.train.max_batch_size, length)
+# Decided in dflash.resolve (no model import there, for dflash.check); still importable from here.
+from dflash.resolve import resolve_backend, rows_for_length
+from dflash.resolve import resolve_device as resolve_device
+from dflash.resolve import resolve_strict as resolve_strict
 
 
 def pad_rows(

@@ -204,6 +204,13 @@ def slot_bytes_for(specs: dict[str, tuple[Sequence[int], torch.dtype]], *, meta_
     return _align(_align(4 + meta_bytes, _TENSOR_ALIGN) + data, _PAGE)
 
 
+def segment_bytes(capacity: int, slot_bytes: int) -> int:
+    """Bytes of /dev/shm a queue of this shape maps: the control block, then page-aligned slots.
+    dflash.check reports it before a job starts, so a container can be given enough shared memory."""
+    data_offset = _align(_SLOT_TABLE_OFFSET + capacity * _SLOT_SIZE, _PAGE)
+    return data_offset + capacity * _align(slot_bytes, _PAGE)
+
+
 def _dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -246,7 +253,7 @@ class HiddenStateQueue:
         path = segment_path(name)
         stride = _align(slot_bytes, _PAGE)
         data_offset = _align(_SLOT_TABLE_OFFSET + capacity * _SLOT_SIZE, _PAGE)
-        total = data_offset + capacity * stride
+        total = segment_bytes(capacity, slot_bytes)
         fs = os.statvfs(path.parent)
         available = fs.f_bavail * fs.f_frsize + (path.stat().st_size if path.exists() else 0)
         if total > available:

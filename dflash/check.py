@@ -1,0 +1,309 @@
+"""Check a job config before anything starts: every error at once, each naming its config key.
+
+    python -m dflash.check CONFIG.toml [--set key=value ...] [--nnodes N] [--node-rank I]
+        [--rdzv-endpoint HOST:PORT] [--json]
+
+Run in the job's own environment (the host, container or venv that will run it), since devices,
+paths and /dev/shm are this machine's. Loads no weights and no data: config.json and file names
+only. Exit code 0 when the config is fine, 2 when anything is wrong (a failure of the check itself
+too). With --json the last stdout line is one object, for dflashctl to parse:
+    {"ok": bool, "errors": [{"key": str, "message": str}], "warnings": [{"key", "message"}],
+     "config": the resolved config, or null when the config has errors,
+     "shm_bytes": bytes of /dev/shm the host's hidden-state queue maps, or null when unknown,
+     "entry": "dflash.launch"}
+`key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.config import (
+    JobConfig,
+    add_config_args,
+    apply_overrides,
+    collect_config,
+    read_config_file,
+)
+from dflash.errors import ConfigError, DFlashError
+
+ENTRY = "dflash.launch"
+"""The entry point the checked config is for: shm_bytes is that launcher's hidden-state queue."""
+
+
+@dataclass
+class Report:
+    errors: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[dict[str, str]] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+    """The resolved config; None when the config itself has errors (it would show defaults there)."""
+    shm_bytes: int | None = None
+
+    def error(self, key: str, message: str) -> None:
+        self.errors.append({"key": key, "message": message})
+
+    def warn(self, key: str, message: str) -> None:
+        self.warnings.append({"key": key, "message": message})
+
+    def config_error(self, e: ConfigError) -> None:
+        self.error(e.key, e.problem)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": not self.errors,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "config": self.config,
+            "shm_bytes": self.shm_bytes,
+            "entry": ENTRY,
+        }
+
+
+def check(
+    config: str,
+    overrides: list[str],
+    *,
+    nnodes: int | None = None,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+) -> Report:
+    from dflash.launch import host_problems
+
+    report = Report()
+    try:
+        data = read_config_file(config)
+    except ConfigError as e:
+        report.error("", f"{e.key}: {e.problem}")  # about the file, not a key in it
+        return report
+    for item in overrides:  # one at a time, so one bad --set does not hide the others
+        try:
+            apply_overrides(data, [item])
+        except ConfigError as e:
+            report.config_error(e)
+    cfg, errors = collect_config(data)
+    for e in errors:
+        report.config_error(e)
+    if cfg is None:
+        return report
+    if not report.errors:
+        report.config = cfg.to_dict()
+    for key, message in host_problems(cfg, nnodes, node_rank, rdzv_endpoint)[2]:
+        report.error(key, message)
+    _check_devices(cfg, report)
+    _check_writable("run.runs_root", cfg.run.runs_root, report)
+    if cfg.data.cache_dir:
+        _check_writable("data.cache_dir", cfg.data.cache_dir, report)
+    _check_data(cfg, report)
+    shape = _target_shape(cfg, report)
+    if shape is not None:
+        report.shm_bytes = _shm_bytes(cfg, *shape, report)
+    return report
+
+
+def _check_devices(cfg: JobConfig, report: Report) -> None:
+    import torch
+
+    from dflash.pipeline import worker_devices
+    from dflash.resolve import resolve_backend, resolve_device
+
+    try:
+        resolve_backend(cfg, resolve_device(cfg))
+    except ConfigError as e:
+        report.config_error(e)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    p = cfg.pipeline
+    before = len(report.errors)
+    for key, listed, count, role in (
+        ("pipeline.target_devices", p.target_devices, p.targets, "targets"),
+        ("pipeline.drafter_devices", p.drafter_devices, p.drafters, "drafters"),
+    ):
+        if listed and len(listed) != count:
+            report.error(
+                key,
+                f"lists {len(listed)} devices for {count} {role}; list one device per worker, "
+                f"or change pipeline.{role}",
+            )
+        missing = []
+        for name in listed:
+            try:
+                index = _cuda_index(name)
+            except ValueError as e:
+                report.error(key, str(e))
+                continue
+            if index is not None and index >= gpus:
+                missing.append(name)
+        if missing:
+            seen = f"cuda:0..cuda:{gpus - 1}" if gpus > 1 else "only cuda:0" if gpus else "no CUDA device"
+            report.error(key, f"{', '.join(missing)}: not on this host, which has {seen}")
+    if len(report.errors) > before:
+        return  # worker_devices below would refuse the same lists
+    drafter_gpus = [i for d in worker_devices(cfg)[1] if (i := _cuda_index(d)) is not None]
+    if len(set(drafter_gpus)) < len(drafter_gpus):
+        key = "pipeline.drafter_devices" if p.drafter_devices else "pipeline.drafters"
+        shared = ", ".join(f"cuda:{i}" for i in drafter_gpus)
+        report.error(
+            key,
+            f"drafters share a GPU ({shared}): NCCL refuses two ranks on one device; "
+            "give each drafter its own GPU, or lower pipeline.drafters",
+        )
+
+
+def _check_data(cfg: JobConfig, report: Report) -> None:
+    path = Path(cfg.data.path)
+    if cfg.data.path != "demo" and not (path.is_file() and os.access(path, os.R_OK)):
+        # The job reads one file (dflash.data.load_dataset), so a directory is refused here too.
+        what = "is a directory" if path.is_dir() else "is not a readable file"
+        report.error("data.path", f"{path} {what}; pass a JSONL file of text/messages records, or `demo`")
+
+
+def _cuda_index(name: str) -> int | None:
+    """The GPU a device name asks for; None for cpu. ValueError for anything the job cannot use."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"{name!r} is not a device; use cpu or cuda:N") from e
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"{name!r}: only cpu and cuda:N devices are supported")
+    return device.index or 0
+
+
+def _check_writable(key: str, path: str, report: Report) -> None:
+    """The directory exists and is writable, or its nearest existing parent lets it be created."""
+    p = Path(path).absolute()
+    existing = next(a for a in (p, *p.parents) if a.exists())
+    if not existing.is_dir():
+        report.error(key, f"{path}: {existing} is not a directory; choose another path")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == p else f"cannot be created: {existing} is not writable"
+        report.error(key, f"{path} {what} by this user; choose another path or fix its permissions")
+
+
+def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
+    """(layers, hidden size) of the target, from its config.json alone (no weights)."""
+    if cfg.target.path == "tiny":
+        from dflash.demo import check_tiny
+
+        try:
+            check_tiny(cfg.target.tiny_layers, cfg.target.tiny_hidden)
+        except DFlashError as e:
+            report.error("target.tiny_layers" if cfg.target.tiny_layers < 1 else "target.tiny_hidden", str(e))
+            return None
+        return cfg.target.tiny_layers, cfg.target.tiny_hidden
+    from dflash.target import check_model_dir
+
+    try:
+        model_dir = check_model_dir(cfg.target.path)
+        text = json.loads((model_dir / "config.json").read_text())
+    except (DFlashError, OSError, ValueError) as e:
+        report.error("target.path", str(e))
+        return None
+    sizes = text if isinstance(text, dict) else {}
+    if "num_hidden_layers" not in sizes:  # multimodal checkpoints keep the language model's here
+        sizes = sizes.get("text_config") or {}
+    try:
+        return int(sizes["num_hidden_layers"]), int(sizes["hidden_size"])
+    except (KeyError, TypeError, ValueError):
+        report.error("target.path", f"{model_dir}/config.json has no num_hidden_layers and hidden_size")
+        return None
+
+
+def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:
+    """Bytes of /dev/shm the launcher's hidden-state queue maps, exactly as it will size it."""
+    from dflash.launch import slot_bytes
+    from dflash.pipeline.transport import segment_bytes, segment_path
+    from dflash.resolve import target_layer_ids
+    from dflash.session import torch_dtype
+
+    try:
+        features = len(target_layer_ids(cfg.drafter, layers)) * hidden
+    except ConfigError as e:
+        report.config_error(e)
+        return None
+    elem = torch_dtype(cfg.target.dtype).itemsize
+    need = segment_bytes(cfg.pipeline.queue_depth, slot_bytes(cfg, features, elem))
+    shm = segment_path("dflash-check").parent
+    fs = os.statvfs(shm)
+    free = fs.f_bavail * fs.f_frsize
+    if need > free:
+        # A warning: the runner may size the job's container from shm_bytes after this check.
+        report.warn(
+            "pipeline.queue_depth",
+            f"the hidden-state queue needs {need / 2**20:.0f} MiB of {shm} but {free / 2**20:.0f} MiB "
+            "are free here: give the container more (docker --shm-size), or lower pipeline.queue_depth "
+            "or pipeline.slot_mb",
+        )
+    return need
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # reported like any other error (as JSON with --json)
+        raise _UsageError(message)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog="python -m dflash.check", description=__doc__.split("\n\n")[0])
+    add_config_args(p, run_dir=None)
+    p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
+    return p.parse_args(argv)
+
+
+def _print_human(config: str, report: Report) -> None:
+    for kind, items in (("error", report.errors), ("warning", report.warnings)):
+        for item in items:
+            key, message = item["key"], item["message"]
+            where = "" if not key or message.startswith(key) else f"{key}: "
+            print(f"{kind}: {where}{message}")
+    if report.errors:
+        print(f"{config}: {len(report.errors)} error(s)")
+    elif report.shm_bytes is None:
+        print(f"{config}: ok")
+    else:
+        print(f"{config}: ok (hidden-state queue: {report.shm_bytes / 2**20:.1f} MiB of /dev/shm)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv
+    try:
+        args = parse_args(argv)
+        report = check(
+            args.config,
+            args.overrides,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+        )
+        config = args.config
+    except _UsageError as e:
+        report, config = Report(errors=[{"key": "", "message": f"usage: {e}"}]), "(arguments)"
+    except Exception as e:  # the caller parses the JSON: a traceback alone would say nothing to it
+        traceback.print_exc(file=sys.stderr)
+        report = Report(errors=[{"key": "", "message": f"the check itself failed: {type(e).__name__}: {e}"}])
+        config = "(check)"
+    if as_json:
+        print(json.dumps(report.to_json()), flush=True)
+    else:
+        _print_human(config, report)
+    return 2 if report.errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
