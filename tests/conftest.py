@@ -37,7 +37,7 @@ def _cuda_ok() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     docker = _docker_ok() if any("docker" in i.keywords for i in items) else True
-    sshd = os.path.exists("/usr/sbin/sshd")
+    have_sshd = os.path.exists("/usr/sbin/sshd")
     cuda = _cuda_ok() if any("gpu" in i.keywords for i in items) else True
     slow = os.environ.get("DFLASH_SLOW") == "1"
     for item in items:
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # Under REQUIRE_REAL nothing is skipped: the test runs and fails loudly if the engine is absent.
         if "docker" in item.keywords and not docker and not REQUIRE_REAL:
             item.add_marker(pytest.mark.skip(reason="no Docker engine; ./dev test installs and starts one"))
-        if "ssh" in item.keywords and not sshd and not REQUIRE_REAL:
+        if "ssh" in item.keywords and not have_sshd and not REQUIRE_REAL:
             item.add_marker(pytest.mark.skip(reason="no sshd; ./dev test installs openssh-server"))
 
 
@@ -83,3 +83,6 @@ def _isolated_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+from sshd import sshd, sshd_server  # noqa: E402,F401  (fixtures shared by the ssh tests)

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,54 +13,6 @@ from runner.cache.store import Store
 from runner.cli import app
 
 pytestmark = pytest.mark.ssh
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    d = tmp_path_factory.mktemp("sshd")
-    os.chmod(d, 0o700)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")], check=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "client_key")], check=True)
-    (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
-    os.chmod(d / "authorized_keys", 0o600)
-    port = _free_port()
-    (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
-        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\n"
-        "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nSubsystem sftp internal-sftp\n"
-    )
-    os.makedirs("/run/sshd", exist_ok=True)  # privilege-separation dir sshd insists on
-    with open(d / "sshd.log", "wb") as log:
-        proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")], stderr=log)
-    opts = f"-p {port} -i {d / 'client_key'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
-    old = os.environ.get("DFLASH_SSH_OPTS")
-    os.environ["DFLASH_SSH_OPTS"] = opts
-    user = os.environ.get("USER") or "root"
-    host = f"{user}@127.0.0.1"
-    deadline = time.monotonic() + 60  # a loaded CI machine can take a while to start sshd
-    while True:
-        ok = subprocess.run(
-            ["ssh", "-o", "BatchMode=yes", *opts.split(), host, "true"], capture_output=True, timeout=30
-        )
-        if ok.returncode == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    if ok.returncode != 0:
-        proc.kill()
-        pytest.fail("sshd did not accept the test key: " + (d / "sshd.log").read_text()[-2000:])
-    yield host
-    proc.terminate()
-    proc.wait(timeout=10)
-    if old is None:
-        os.environ.pop("DFLASH_SSH_OPTS", None)
-    else:
-        os.environ["DFLASH_SSH_OPTS"] = old
 
 
 def test_push_then_pull_marks_remote_origin(sshd: str, tmp_path: Path) -> None:

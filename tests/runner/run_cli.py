@@ -1,0 +1,114 @@
+"""Driving the real `dflashctl` CLI (a subprocess, as users run it) against a real job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "configs" / "demo-cpu.toml")
+LONG = [
+    "--set",
+    "train.total_steps=100000",
+    "--set",
+    "train.checkpoint_every=100000",
+    "--set",
+    "run.status_interval_s=1",
+]
+
+
+class Cli:
+    """dflashctl with its own registry, cache store and runs root (nothing shared between tests)."""
+
+    def __init__(self, tmp: Path, **env: str) -> None:
+        self.runs = tmp / "runs"
+        self.env = {
+            **os.environ,
+            "DFLASH_STATE_DIR": str(tmp / "state"),
+            "DFLASH_CACHE_STORE": str(tmp / "store"),
+            "XDG_CACHE_HOME": str(tmp / "xdg-cache"),
+            **env,
+        }
+
+    def __call__(
+        self, *args: str, timeout: float = 600, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner.cli", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check:
+            assert proc.returncode == 0, (
+                f"dflashctl {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+    def ps(self) -> list[dict[str, Any]]:
+        return json.loads(self("ps", "--all", "--json").stdout)
+
+    def wait_state(self, run_id: str, want: set[str], timeout: float = 240) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        row: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            row = next(r for r in self.ps() if r["run_id"] == run_id)
+            if row["state"] in want:
+                return row
+            time.sleep(2)
+        raise AssertionError(f"{run_id} never reached {want}: {row}")
+
+    def wait_step(self, run_dir: Path, step: int, timeout: float = 240) -> None:
+        """Until a drafter heartbeat reports at least `step` optimizer steps."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for hb in (run_dir / "workers").glob("drafter-*.json"):
+                try:
+                    if json.loads(hb.read_text()).get("step", 0) >= step:
+                        return
+                except (OSError, ValueError):
+                    pass
+            time.sleep(1)
+        logs = "".join(
+            f"\n--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted((run_dir / "logs").glob("*.log"))
+        )
+        raise AssertionError(f"no drafter reached step {step} in {run_dir}{logs}")
+
+
+def recorded_pids(run_dir: Path) -> list[int]:
+    """Every pid the run recorded: heartbeats, `launched` events and the lock file."""
+    pids = set()
+    for hb in (run_dir / "workers").glob("*-[0-9]*.json"):
+        if not hb.name.endswith(".data.json"):
+            pids.add(json.loads(hb.read_text())["pid"])
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") == "launched":
+            pids.update(e["targets"].values())
+            pids.add(e["drafter_group_pid"])
+    pids.add(int((run_dir / "job.lock").read_text().split()[0]))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    out = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") == kind:
+            out.append(e)
+    return out
