@@ -80,6 +80,10 @@ def register(app: typer.Typer) -> None:
         code = 0
         with cli_errors(), remote.connections():
             sets = sets or []
+            if not config.is_file():
+                raise RunnerError(
+                    f"config {config} not found; pass a TOML file such as configs/demo-cpu.toml"
+                )
             img = job_image(image, variant) if backend == "docker" else image
             req = Request(
                 config=str(config),

@@ -32,6 +32,7 @@ class Cli:
             "DFLASH_STATE_DIR": str(tmp / "state"),
             "DFLASH_CACHE_STORE": str(tmp / "store"),
             "XDG_CACHE_HOME": str(tmp / "xdg-cache"),
+            "COLUMNS": "400",  # rich wraps messages at the terminal width; keep each on one line
             **env,
         }
 

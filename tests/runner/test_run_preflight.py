@@ -1,0 +1,133 @@
+"""Refusals before anything starts: a clear error, and nothing left behind (no run dir, no registry
+entry, no tmux session)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_cli import DEMO, Cli
+
+
+def _nothing_left(cli: Cli, tmp_path: Path) -> None:
+    assert not cli.runs.exists() or not any(cli.runs.iterdir()), list(cli.runs.iterdir())
+    assert cli.ps() == []
+    tmux = (
+        subprocess.run(["tmux", "ls"], capture_output=True, text=True).stdout if shutil.which("tmux") else ""
+    )
+    assert "dflash-bad" not in tmux
+
+
+def test_bad_config_lists_every_error_by_key(tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    sets = ["train.lr=-1", "run.status_interval_s=0", "pipeline.targets=0"]
+    out = cli(
+        "run",
+        DEMO,
+        "--runs-root",
+        str(cli.runs),
+        "--name",
+        "bad",
+        *[a for s in sets for a in ("--set", s)],
+        check=False,
+    )
+    assert out.returncode == 1
+    for key in ("train.lr", "run.status_interval_s", "pipeline.targets"):
+        assert key in out.stderr, out.stderr
+    _nothing_left(cli, tmp_path)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    out = cli("run", str(tmp_path / "nope.toml"), "--runs-root", str(cli.runs), check=False)
+    assert out.returncode == 1 and "not found" in out.stderr
+
+
+def test_missing_tmux_is_named(tmp_path: Path) -> None:
+    # A PATH with every tool the launch uses except tmux.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in (
+        "sh",
+        "id",
+        "cat",
+        "test",
+        "mkdir",
+        "mv",
+        "rm",
+        "chmod",
+        "stat",
+        "tail",
+        "ls",
+        "kill",
+        "dirname",
+        "env",
+        "mktemp",
+        "git",
+    ):
+        path = shutil.which(tool)
+        if path:
+            os.symlink(path, bin_dir / tool)
+    cli = Cli(tmp_path, PATH=str(bin_dir))
+    out = cli("run", DEMO, "--runs-root", str(cli.runs), "--name", "bad", check=False)
+    assert out.returncode == 1 and "tmux is not installed on this machine" in out.stderr, out.stderr
+    _nothing_left(cli, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "host,message",
+    [
+        ("root@127.0.0.1:1", "cannot log in to root@127.0.0.1:1"),
+        ("-oProxyCommand=touch /tmp/dflash-pwned", "is not USER@HOST"),
+        ("root@no-such-host.invalid", "cannot log in"),
+    ],
+)
+def test_unreachable_or_bad_hosts(tmp_path: Path, host: str, message: str) -> None:
+    cli = Cli(
+        tmp_path,
+        DFLASH_SSH_OPTS="-o ConnectTimeout=5 -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+    )
+    out = cli("run", DEMO, "--host", host, "--name", "bad", "--runs-root", str(cli.runs), check=False)
+    assert out.returncode == 1 and message in out.stderr, out.stderr
+    assert not Path("/tmp/dflash-pwned").exists()
+    _nothing_left(cli, tmp_path)
+
+
+def test_unreachable_docker_daemon(tmp_path: Path) -> None:
+    if not shutil.which("docker"):
+        pytest.skip("no docker CLI")
+    cli = Cli(tmp_path, DOCKER_HOST=f"unix://{tmp_path}/no-docker.sock")
+    out = cli(
+        "run",
+        DEMO,
+        "--backend",
+        "docker",
+        "--image",
+        "dflash:cu130",
+        "--runs-root",
+        str(cli.runs),
+        check=False,
+    )
+    assert out.returncode == 1 and "no Docker engine reachable" in out.stderr, out.stderr
+    _nothing_left(cli, tmp_path)
+
+
+def test_image_needs_docker_backend(tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    out = cli("run", DEMO, "--image", "x", "--runs-root", str(cli.runs), check=False)
+    assert out.returncode == 1 and "--backend docker" in out.stderr
+
+
+def test_dry_run_starts_nothing(tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    out = cli("run", DEMO, "--runs-root", str(cli.runs), "--dry-run", "--json")
+    import json
+
+    plan = json.loads(out.stdout)
+    assert plan["hosts"][0]["argv"][:3] == [sys.executable, "-m", "dflash.launch"]
+    assert "no compile-cache artifact" in out.stderr
+    _nothing_left(cli, tmp_path)
