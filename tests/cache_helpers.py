@@ -12,11 +12,11 @@ from typing import Any
 
 import zstandard
 
-from runner.canonical import fingerprint_key, sha256_file
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ArchiveInfo, FileEntry, Manifest
 from runner.cache.signing import Keyring, sign
 from runner.cache.snapshot import snapshot
 from runner.cache.store import Store
+from runner.canonical import fingerprint_key, sha256_file
 
 
 def fingerprint(tag: str = "a") -> dict[str, Any]:

@@ -85,4 +85,5 @@ def _isolated_environ():
     os.environ.update(saved)
 
 
-from sshd import sshd, sshd_server  # noqa: E402,F401  (fixtures shared by the ssh tests)
+from docker_base import base_image  # noqa: E402,F401  (fixtures shared across test files)
+from sshd import sshd, sshd_server  # noqa: E402,F401

@@ -10,8 +10,8 @@ import pytest
 
 from dflash.compile_cache import compiled_event, expect_warm, use_cache_dir
 from dflash.fingerprint import canonical_json as job_canonical
-from runner.canonical import canonical_json as runner_canonical
 from runner.cache.signing import hmac_key_id, load_keyring
+from runner.canonical import canonical_json as runner_canonical
 from runner.errors import RunnerError
 
 

@@ -14,11 +14,11 @@ import pytest
 from cache_helpers import fingerprint, make_artifact, make_cache_tree, tree_listing
 from typer.testing import CliRunner
 
-from runner.canonical import fingerprint_key
 from runner.cache.errors import ArtifactError, FingerprintMismatchError
 from runner.cache.restore import restore
 from runner.cache.signing import Keyring
 from runner.cache.store import Store, parse_age
+from runner.canonical import fingerprint_key
 from runner.cli import app
 
 

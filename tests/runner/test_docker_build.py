@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import pytest
 from runner.envs import load_variant
 from runner.lock import expected_packages, read_lock
 
-BASE_TAG = "dflash-test-base:bookworm"
 CLI = [sys.executable, "-m", "runner.cli"]
 pytestmark = pytest.mark.docker
 
@@ -29,39 +27,6 @@ def _ca_args() -> list[str]:
     # This workplace reaches the registry through a TLS-intercepting proxy: its CA rides along.
     ca = os.environ.get("SSL_CERT_FILE")
     return ["--ca-cert", ca] if ca and Path(ca).is_file() else []
-
-
-@pytest.fixture(scope="session")
-def base_image() -> str:
-    """A minimal Debian with python3, made once per Docker engine and reused by tag."""
-    if subprocess.run(["docker", "image", "inspect", BASE_TAG], capture_output=True).returncode == 0:
-        return BASE_TAG
-    if not shutil.which("debootstrap"):
-        pytest.fail("debootstrap is needed to make the test base image (./dev test installs it)")
-    with tempfile.TemporaryDirectory(prefix="dflash-base-") as tmp:
-        root = Path(tmp, "root")
-        subprocess.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                "--include=python3,python3-venv,ca-certificates",
-                "bookworm",
-                str(root),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=1200,
-        )
-        tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(
-            ["docker", "import", "-", BASE_TAG],
-            stdin=tar.stdout,
-            check=True,
-            capture_output=True,
-            timeout=600,
-        )
-        assert tar.wait() == 0
-    return BASE_TAG
 
 
 @pytest.fixture(scope="module")
