@@ -1,0 +1,138 @@
+"""Detectors of GPU faults: XID events, clock slowdowns, ECC errors, lost GPUs, NVML itself."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runner.watch.findings import Finding, Severity
+from runner.watch.snapshot import Snapshot
+from runner.watch.thresholds import Thresholds
+
+XIDS: dict[int, tuple[Severity, str]] = {
+    13: ("warning", "graphics engine exception (often the application's own error)"),
+    31: ("warning", "GPU memory page fault (an illegal address in a kernel)"),
+    43: ("warning", "GPU stopped processing (the application was stopped)"),
+    45: ("warning", "preemptive cleanup (a process was killed mid-kernel)"),
+    48: ("critical", "double-bit ECC error"),
+    61: ("critical", "internal micro-controller breakpoint"),
+    62: ("critical", "internal micro-controller halt"),
+    63: ("warning", "ECC page retirement or row remapping recorded"),
+    64: ("critical", "ECC page retirement or row remapping failed"),
+    74: ("critical", "NVLink error"),
+    79: ("critical", "GPU has fallen off the bus"),
+    92: ("warning", "high single-bit ECC error rate"),
+    94: ("warning", "contained ECC error"),
+    95: ("critical", "uncontained ECC error"),
+    119: ("critical", "GSP RPC timeout"),
+    120: ("critical", "GSP error"),
+}
+SLOWDOWNS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")
+"""Clock-event reasons that slow a GPU below what it should run at (power cap under load is normal)."""
+
+
+def gpu_xid(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    seen: dict[tuple[int, int], int] = {}
+    for x in snap.xids:
+        t, gpu, xid = x.get("t"), x.get("gpu"), x.get("xid")
+        if isinstance(xid, int) and isinstance(t, (int, float)) and t >= snap.t - th.xid_window_s:
+            key = (gpu if isinstance(gpu, int) else -1, xid)
+            seen[key] = seen.get(key, 0) + 1
+    out = []
+    for (gpu, xid), count in sorted(seen.items()):
+        severity, words = XIDS.get(xid, ("warning", "see NVIDIA's XID catalog"))
+        g = snap.gpu(gpu)
+        who = ", ".join(g.workers) if g is not None else ""
+        out.append(
+            Finding(
+                severity=severity,
+                kind="gpu_xid",
+                subject=f"GPU {gpu}",
+                message=f"GPU {gpu}{f' ({who})' if who else ''}: XID {xid} x{count}: {words}",
+                advice=(
+                    "hardware XIDs need the GPU drained and checked (nvidia-smi -q, dmesg, a reset or RMA); "
+                    "application XIDs point at the worker's log"
+                ),
+                numbers={"gpu": gpu, "xid": xid, "count": count},
+            )
+        )
+    return out
+
+
+def gpu_health(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    out = []
+    for g in snap.gpus:
+        who = f" ({', '.join(g.workers)})" if g.workers else ""
+        if g.faults:
+            out.append(
+                Finding(
+                    severity="critical",
+                    kind="gpu_fault",
+                    subject=f"GPU {g.index}",
+                    message=f"GPU {g.index}{who}: NVML reports {', '.join(g.faults)}",
+                    advice="drain the GPU: reset it (nvidia-smi -r) or reboot the host; move the workers elsewhere",
+                    numbers={"gpu": g.index, "faults": list(g.faults)},
+                )
+            )
+        if g.ecc_uncorrected:
+            out.append(
+                Finding(
+                    severity="critical",
+                    kind="gpu_ecc",
+                    subject=f"GPU {g.index}",
+                    message=f"GPU {g.index}{who}: {g.ecc_uncorrected} uncorrected ECC errors since the driver loaded",
+                    advice="results computed on it may be wrong: drain it, reset it, and report it if errors recur",
+                    numbers={"gpu": g.index, "ecc_uncorrected": g.ecc_uncorrected},
+                )
+            )
+        slow = [r for r in (g.throttle or ()) if r in SLOWDOWNS]
+        if slow:
+            out.append(
+                Finding(
+                    severity="warning",
+                    kind="gpu_throttle",
+                    subject=f"GPU {g.index}",
+                    message=(
+                        f"GPU {g.index}{who} is slowed down: {', '.join(slow)} (SM clock "
+                        f"{'n/a' if g.sm_clock_mhz is None else f'{g.sm_clock_mhz:.0f} MHz'}, "
+                        f"{'n/a' if g.temp_c is None else f'{g.temp_c:.0f} C'})"
+                    ),
+                    advice="check cooling and power delivery (nvidia-smi -q -d PERFORMANCE,TEMPERATURE)",
+                    numbers={
+                        "gpu": g.index,
+                        "reasons": slow,
+                        "sm_clock_mhz": g.sm_clock_mhz,
+                        "temp_c": g.temp_c,
+                    },
+                )
+            )
+    return out
+
+
+def nvml_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    on_gpu = any((w.device or "").startswith("cuda") for w in snap.workers)
+    if snap.nvml == "not answering":
+        return [
+            Finding(
+                severity="warning",
+                kind="nvml",
+                subject="nvml",
+                message=f"NVML on {snap.host} is not answering: a GPU may be failing; GPU readings are n/a",
+                advice="look for XID lines in `dmesg` and run `nvidia-smi`; if it hangs too, the GPU needs a reset",
+                numbers={},
+            )
+        ]
+    if snap.nvml.startswith("unavailable") and on_gpu:
+        return [
+            Finding(
+                severity="info",
+                kind="nvml",
+                subject="nvml",
+                message=f"NVML {snap.nvml} on {snap.host}: no GPU readings, workers are judged by heartbeats only",
+                advice="install nvidia-ml-py where the sampler runs, or run it where the driver is visible",
+                numbers={},
+            )
+        ]
+    return []

@@ -1,0 +1,252 @@
+"""Detectors over the pipeline's numbers (q_pre, q_hs, b/s, tok/s, ETA) beside the GPUs.
+
+Reading the queues (docs/run-directory.md): data is cheap, so q_pre is full in a healthy run too.
+What tells a blocked pipeline from a slow one is what the targets do. Every target's q_pre full,
+q_hs near empty and the target GPUs idle means the targets cannot publish although nothing waits
+for the drafters: the transport's slots are held by drafters that are dead or stuck (the field's
+incident). With the target GPUs busy instead, the target forward is simply the slower half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runner.watch.findings import Finding
+from runner.watch.signals import (
+    fmt_duration,
+    fmt_pct,
+    fmt_range,
+    fmt_tok,
+    median,
+    single_process,
+    util_max,
+    util_now,
+)
+from runner.watch.snapshot import Pipeline, Snapshot, WorkerView
+from runner.watch.thresholds import Thresholds
+
+
+def _targets_busy(history: Sequence[Snapshot], th: Thresholds) -> tuple[bool | None, float | None]:
+    """(busy?, median target GPU utilization, each its highest over the idle window: a GPU between
+    two batches reads low for a moment). Without GPU readings, the target heartbeats' states."""
+    snap = history[-1]
+    targets = snap.role("target")
+    utils = [u for u in (util_max(history, w.gpu_index, th.idle_window_s) for w in targets) if u is not None]
+    if utils:
+        return median(utils) >= th.targets_busy_util_pct, median(utils)
+    states = [w.state for w in targets if w.alive]
+    if states:
+        return sum(s == "computing" for s in states) > len(states) / 2, None
+    return None, None
+
+
+def _rates(p: Pipeline) -> str:
+    tgt = "n/a" if p.tgt_bps is None else f"{p.tgt_bps:.2f}"
+    dft = "n/a" if p.dft_bps is None else f"{p.dft_bps:.2f}"
+    return f"tgt={tgt} b/s, dft={dft} b/s, {fmt_tok(p.tok_s)}"
+
+
+def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    p = snap.pipeline
+    if p is None or not p.q_pre or not p.q_hs or single_process(snap):
+        return []
+    pre_full = all(q >= th.queue_full_frac * p.prefetch_depth for q in p.q_pre)
+    pre_empty = all(q <= th.queue_empty_frac * p.prefetch_depth for q in p.q_pre)
+    hs_cap = p.queue_depth * len(p.q_hs)
+    hs_empty = sum(p.q_hs) <= th.queue_empty_frac * hs_cap
+    hs_full = sum(p.q_hs) >= th.queue_full_frac * hs_cap
+    busy, target_util = _targets_busy(history, th)
+    queues = f"q_pre={list(p.q_pre)} of {p.prefetch_depth}, q_hs={list(p.q_hs)} of {p.queue_depth}"
+    numbers = {
+        "q_pre": list(p.q_pre),
+        "q_hs": list(p.q_hs),
+        "prefetch_depth": p.prefetch_depth,
+        "queue_depth": p.queue_depth,
+        "tgt_bps": p.tgt_bps,
+        "dft_bps": p.dft_bps,
+        "tok_s": p.tok_s,
+        "target_util_median": target_util,
+    }
+    if pre_full and hs_empty and busy is not True:
+        idle = []
+        for w in snap.role("drafter"):
+            u = util_max(history, w.gpu_index, th.idle_window_s)
+            if u is not None and u <= th.idle_util_pct:
+                idle.append((w.gpu_index, w.name, u))
+        idle_words = ", ".join(
+            f"GPU {g} ({n}, {u:.0f}%)" for g, n, u in sorted(idle, key=lambda x: x[0] or 0)
+        )
+        targets = "idle" if target_util is None else f"at {fmt_pct(target_util)} (median)"
+        return [
+            Finding(
+                severity="critical",
+                kind="drafters_bottleneck",
+                subject="pipeline",
+                message=(
+                    f"drafters are the bottleneck: every target's prefetch queue is full and no hidden states "
+                    f"are waiting ({queues}) while the target GPUs are {targets}: the targets are blocked, "
+                    f"not slow. Idle drafter GPUs: {idle_words or 'none'}. {_rates(p)}"
+                ),
+                advice=(
+                    "a dead or stuck drafter holds the transport's slots: see the drafter findings; restarting "
+                    "the drafter group releases them and keeps the targets"
+                ),
+                numbers={**numbers, "idle_drafter_gpus": [g for g, _, _ in idle]},
+            )
+        ]
+    drafters_waiting = any(w.state == "waiting_input" for w in snap.role("drafter"))
+    if hs_empty and busy is True and drafters_waiting:
+        return [
+            Finding(
+                severity="info",
+                kind="targets_bottleneck",
+                subject="pipeline",
+                message=(
+                    f"targets are the bottleneck: drafters wait for hidden states ({queues}) while the target "
+                    f"GPUs are busy ({fmt_pct(target_util)} median). {_rates(p)}"
+                ),
+                advice="add target workers (pipeline.targets) or move a drafter GPU to the targets",
+                numbers=numbers,
+            )
+        ]
+    if hs_full and any(w.state == "waiting_output" for w in snap.role("target")):
+        return [
+            Finding(
+                severity="info",
+                kind="drafters_slower",
+                subject="pipeline",
+                message=f"drafters are slower than the targets: hidden states pile up ({queues}). {_rates(p)}",
+                advice="add drafter workers (pipeline.drafters) or give the targets fewer GPUs",
+                numbers=numbers,
+            )
+        ]
+    if pre_empty and any(w.state == "waiting_input" for w in snap.role("target")):
+        return [
+            Finding(
+                severity="info",
+                kind="data_bottleneck",
+                subject="pipeline",
+                message=f"data loading is the bottleneck: the targets wait for batches ({queues}). {_rates(p)}",
+                advice="pre-tokenize the data (data.cache_dir) or put it on a faster disk",
+                numbers=numbers,
+            )
+        ]
+    return []
+
+
+def busy_gpu(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """The one GPU of a role that works while its peers idle: says which worker sits on it (the
+    field's GPU 3 at 100% whose role nobody established)."""
+    snap = history[-1]
+    out = []
+    for role in sorted({w.role for w in snap.workers}):
+        placed: list[tuple[WorkerView, float]] = []
+        for w in snap.role(role):
+            u = util_now(snap, w.gpu_index)
+            if u is not None:
+                placed.append((w, u))
+        busy = [(w, u) for w, u in placed if u >= th.busy_util_pct]
+        rest = [(w, u) for w, u in placed if u < th.busy_util_pct]
+        if len(busy) != 1 or not rest or any(u > th.idle_util_pct for _, u in rest):
+            continue
+        w, u = busy[0]
+        out.append(
+            Finding(
+                severity="info",
+                kind="busy_gpu",
+                subject=f"GPU {w.gpu_index}",
+                message=(
+                    f"GPU {w.gpu_index} is the only busy {role} GPU: {w.label} at {u:.0f}% while "
+                    f"{', '.join(x.name for x, _ in rest)} are at {fmt_range([x for _, x in rest])}"
+                ),
+                advice=f"if the pipeline is stuck, {w.name} is the one still computing: read logs/{w.name}.log",
+                numbers={"gpu": w.gpu_index, "worker": w.name, "pid": w.pid, "util_gpu": u},
+            )
+        )
+    return out
+
+
+def _steady(snap: Snapshot, key: str, th: Thresholds) -> list[float]:
+    """Values of a metrics field past the warm-up, oldest first."""
+    out = []
+    for m in snap.metrics:
+        v, elapsed = m.get(key), m.get("elapsed_s")
+        if isinstance(v, (int, float)) and isinstance(elapsed, (int, float)) and elapsed >= th.warmup_s:
+            out.append(float(v))
+    return out
+
+
+def throughput_vs_baseline(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    base = snap.baseline_tok_s
+    recent = _steady(snap, "tok_s", th)[-th.throughput_window :]
+    if not base or not recent:
+        return []
+    now = median(recent)
+    if now >= th.degraded_frac * base:
+        return []
+    return [
+        Finding(
+            severity="warning",
+            kind="slow_kernels",
+            subject="run",
+            message=(
+                f"throughput {fmt_tok(now)} is {now / base:.0%} of the baseline {fmt_tok(base)} stored for this "
+                "environment fingerprint and config: kernels or the environment degraded"
+            ),
+            advice=(
+                "look for degraded events (unfused flex, recompile limit, force_compile_during_fx_trace) and "
+                "cold compiles below; run `dflashctl doctor` against the environment that was fast"
+            ),
+            numbers={"tok_s": now, "baseline_tok_s": base, "fraction": now / base},
+        )
+    ]
+
+
+def eta_blowup(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    etas = _steady(snap, "eta_s", th)
+    if len(etas) <= th.eta_min_history:
+        return []
+    now, before = etas[-1], median(etas[:-1])
+    if before <= 0 or now <= th.eta_blowup * before:
+        return []
+    return [
+        Finding(
+            severity="warning",
+            kind="eta_blowup",
+            subject="run",
+            message=(
+                f"ETA {fmt_duration(now)} is {now / before:.1f}x this run's earlier median "
+                f"{fmt_duration(before)}: it slowed down"
+            ),
+            advice="the findings above say where; if none does, compare tok/s and the GPU rows with earlier",
+            numbers={"eta_s": now, "earlier_median_eta_s": before},
+        )
+    ]
+
+
+def metrics_stale(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    p = snap.pipeline
+    interval = snap.config("run", "status_interval_s", default=10.0)
+    if p is None or p.age_s is None or snap.job.get("lock_held") is False:
+        return []
+    if any(w.state in ("compiling", "checkpointing") for w in snap.role("drafter")):
+        return []  # a cold compile of a new shape bucket can take minutes without a record
+    if p.age_s <= th.metrics_stale_intervals * float(interval):
+        return []
+    return [
+        Finding(
+            severity="warning",
+            kind="metrics_stale",
+            subject="run",
+            message=(
+                f"no metrics record for {fmt_duration(p.age_s)} (one is due every {float(interval):.0f} s): "
+                "the worker that writes them (drafter rank 0) is stuck or gone"
+            ),
+            advice="see the drafter findings; read logs/drafter-0.log",
+            numbers={"metrics_age_s": p.age_s, "status_interval_s": interval},
+        )
+    ]

@@ -1,0 +1,184 @@
+"""Detectors over the run's events and the monitor's own state: degraded kernels, cold compiles,
+restarts, a stopped job, a silent sampler, a missing run directory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runner.watch.findings import Finding, Severity
+from runner.watch.signals import fmt_duration
+from runner.watch.snapshot import Snapshot
+from runner.watch.thresholds import Thresholds
+
+DEGRADED_WORDS = {
+    "unfused_flex": "flex attention runs unfused (the slow fallback, not the compiled kernel)",
+    "recompile_limit": "dynamo hit its recompile limit (8 per code object): later shapes run uncompiled",
+    "force_compile_during_fx_trace": (
+        "torch._dynamo.config.force_compile_during_fx_trace is on: the crash workaround that cost the "
+        "field's run 80% of its throughput"
+    ),
+}
+
+
+def degraded_events(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    seen: dict[tuple[str, str], dict] = {}
+    for e in snap.events:
+        if e.get("event") == "degraded":
+            seen.setdefault((str(e.get("worker", "?")), str(e.get("kind", "?"))), dict(e))
+    out = []
+    for (worker, kind), e in sorted(seen.items()):
+        words = DEGRADED_WORDS.get(kind, kind)
+        detail = f" ({e['detail']})" if e.get("detail") else ""
+        out.append(
+            Finding(
+                severity="warning",
+                kind="degraded_kernels",
+                subject=worker,
+                message=f"{worker}: degraded kernels: {words}{detail}",
+                advice=(
+                    "restore the compile cache artifact for this fingerprint (dflashctl cache restore) instead "
+                    "of a workaround; with attention.strict_kernels the job stops rather than run slow"
+                ),
+                numbers={"kind": kind, "t": e.get("t")},
+            )
+        )
+    return out
+
+
+def cold_compiles(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """`cache_miss` events, and compiles with misses and no hits where run.json names a restored artifact."""
+    snap = history[-1]
+    artifact = snap.manifest.get("cache_artifact")
+    out: dict[tuple[str, str], Finding] = {}
+    for e in snap.events:
+        worker = str(e.get("worker", "?"))
+        if e.get("event") == "cache_miss" and ("cache_miss", worker) not in out:
+            out[("cache_miss", worker)] = Finding(
+                severity="warning",
+                kind="cache_miss",
+                subject=worker,
+                message=(
+                    f"{worker}: a warm compile cache was expected but inductor compiled cold "
+                    f"({e.get('fxgraph_misses', '?')} FX graph misses)"
+                ),
+                advice="restore the artifact for this fingerprint (dflashctl cache restore) or warm one (dflashctl warm-cache)",
+                numbers={"fxgraph_misses": e.get("fxgraph_misses"), "cache_dir": e.get("cache_dir")},
+            )
+        misses, hits = e.get("misses"), e.get("hits")
+        if (
+            artifact
+            and e.get("event") == "compiled"
+            and isinstance(misses, int)
+            and misses > 0
+            and hits == 0
+            and ("cold_compile", worker) not in out
+        ):
+            out[("cold_compile", worker)] = Finding(
+                severity="warning",
+                kind="cold_compile",
+                subject=worker,
+                message=(
+                    f"{worker} compiled cold ({misses} misses, 0 hits, {e.get('seconds', '?')} s) although "
+                    f"artifact {str(artifact)[:16]} was restored: the cache does not fit this environment or config"
+                ),
+                advice="compare the artifact's fingerprint with this host's (dflashctl cache show / doctor)",
+                numbers={"misses": misses, "hits": hits, "artifact": artifact, "seconds": e.get("seconds")},
+            )
+    return list(out.values())
+
+
+def restarts(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    group = [e for e in snap.events if e.get("event") == "restart" and e.get("role") == "drafter-group"]
+    targets = [e for e in snap.events if e.get("event") == "restart" and e.get("role") == "target"]
+    out = []
+    if group:
+        allowed = snap.config("pipeline", "max_restarts", default=None)
+        left = None if allowed is None else max(0, int(allowed) - len(group))
+        if left == 0:
+            rest = "; no restarts left: the next drafter death stops the job"
+        else:
+            rest = "" if left is None else f"; {left} left"
+        out.append(
+            Finding(
+                severity="warning" if left == 0 else "info",
+                kind="restarts",
+                subject="drafter-group",
+                message=(
+                    f"the drafter group restarted {len(group)} time(s) "
+                    f"(generation {group[-1].get('generation')}){rest}"
+                ),
+                advice="the drafter findings and logs/drafter-group-node0.log say why they died",
+                numbers={"restarts": len(group), "left": left},
+            )
+        )
+    for e in targets:
+        out.append(
+            Finding(
+                severity="info",
+                kind="restarts",
+                subject=str(e.get("worker", "target")),
+                message=f"{e.get('worker', 'a target')} was restarted (pid {e.get('pid')})",
+                advice=f"read logs/{e.get('worker', 'target-0')}.log for why it died",
+                numbers={"pid": e.get("pid")},
+            )
+        )
+    return out
+
+
+def job_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    if not snap.run_dir_exists:
+        return [
+            Finding(
+                severity="critical",
+                kind="run_dir_missing",
+                subject="run",
+                message=f"the run directory {snap.run_dir} does not exist on {snap.host}",
+                advice="check the run's host and path (dflashctl ps)",
+                numbers={},
+            )
+        ]
+    if snap.job.get("lock_held") is not False:
+        return []  # running, or cannot tell
+    stops = [e for e in snap.events if e.get("event") == "stopped"]
+    reason = str(stops[-1].get("reason", "")) if stops else ""
+    severity: Severity = "info" if reason == "completed" else "warning"
+    if reason == "completed":
+        message, advice = "the job completed", ""
+    else:
+        message = (
+            f"the job stopped: {reason}" if reason else "the job is not running: no process holds job.lock"
+        )
+        advice = "start it again with the same --run-dir: it resumes from its newest checkpoint"
+    return [
+        Finding(
+            severity=severity,
+            kind="job_stopped",
+            subject="run",
+            message=message,
+            advice=advice,
+            numbers={"reason": reason or None},
+        )
+    ]
+
+
+def sampler_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    snap = history[-1]
+    if snap.source == "ended":
+        message = f"the sampler on {snap.host or 'the host'} exited: the readings below are its last"
+    elif snap.source == "silent" or snap.sample_age_s > th.sampler_silent_s:
+        message = f"no sample from {snap.host or 'the host'} for {fmt_duration(snap.sample_age_s)}: the readings below are old"
+    else:
+        return []
+    return [
+        Finding(
+            severity="warning",
+            kind="sampler",
+            subject="sampler",
+            message=message,
+            advice="check the host and the ssh connection; watch restarts the sampler when it can",
+            numbers={"sample_age_s": snap.sample_age_s},
+        )
+    ]

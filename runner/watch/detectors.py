@@ -1,0 +1,55 @@
+"""The detectors: pure functions (snapshot history, thresholds) -> findings, run together by detect().
+
+Each reads `history[-1]` (the newest Snapshot) and, where a moment can mislead (a GPU's
+utilization), the snapshots of a short window before it. Adding one: write it in the detect_*
+module of its signals and list it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runner.watch.detect_gpus import gpu_health, gpu_xid, nvml_state
+from runner.watch.detect_pipeline import (
+    bottleneck,
+    busy_gpu,
+    eta_blowup,
+    metrics_stale,
+    throughput_vs_baseline,
+)
+from runner.watch.detect_run import cold_compiles, degraded_events, job_state, restarts, sampler_state
+from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom
+from runner.watch.findings import Finding, exit_code, sort_findings
+from runner.watch.snapshot import Snapshot
+from runner.watch.thresholds import Thresholds
+
+Detector = Callable[[Sequence[Snapshot], Thresholds], list[Finding]]
+
+DETECTORS: tuple[Detector, ...] = (
+    dead_worker,
+    hung_worker,
+    likely_oom,
+    bottleneck,
+    busy_gpu,
+    throughput_vs_baseline,
+    degraded_events,
+    cold_compiles,
+    eta_blowup,
+    metrics_stale,
+    gpu_xid,
+    gpu_health,
+    nvml_state,
+    restarts,
+    job_state,
+    sampler_state,
+)
+
+__all__ = ["DETECTORS", "Finding", "Thresholds", "detect", "exit_code"]
+
+
+def detect(history: Sequence[Snapshot], thresholds: Thresholds | None = None) -> list[Finding]:
+    """Every detector's findings for the newest snapshot, most severe first."""
+    if not history:
+        return []
+    th = thresholds or Thresholds()
+    return sort_findings(f for d in DETECTORS for f in d(history, th))

@@ -1,0 +1,85 @@
+"""Detector thresholds, with defaults, overridable from a `[watch]` TOML table (Thresholds.from_table).
+Defaults are set so the field's incident fires and a healthy run stays quiet (tests/runner/test_watch_*)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from runner.errors import RunnerError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Thresholds:
+    stale_s: float = 10.0
+    """A heartbeat older than this means the worker is dead (process gone) or frozen (process still
+    there: stopped, or stuck holding the GIL). Heartbeats are rewritten every second."""
+    hung_s: float = 20.0
+    """No progress (step, published batch) for this long, while input waits and the GPU is idle,
+    means a hung worker. Longer than the slowest normal step."""
+    idle_util_pct: float = 10.0
+    """A GPU at or below this utilization is idle (the field's stuck drafters read 0-4%)."""
+    busy_util_pct: float = 90.0
+    """A GPU at or above this utilization is busy (for "which GPU is the busy one")."""
+    idle_window_s: float = 10.0
+    """A GPU counts as idle only if it stayed idle in every sample over this window."""
+    targets_busy_util_pct: float = 50.0
+    """Target GPUs at or above this median utilization are working, not blocked."""
+    mem_full_frac: float = 0.95
+    """GPU memory at or above this fraction of the total counts as full."""
+    oom_util_pct: float = 5.0
+    """A full GPU at or below this utilization, with no progress, is likely OOM or a broken context."""
+    oom_no_progress_s: float = 20.0
+    """How long a full, idle GPU's worker must have made no progress to be called likely OOM."""
+    warmup_s: float = 300.0
+    """After a worker starts (and while it is compiling), its memory spike and low throughput are
+    not judged: the first compile fills memory and the first records are slow."""
+    queue_full_frac: float = 0.9
+    """A queue at or above this fraction of its capacity is full (q_pre: pipeline.prefetch_depth,
+    q_hs: pipeline.queue_depth from run.json)."""
+    queue_empty_frac: float = 0.25
+    """A queue at or below this fraction of its capacity is near empty (q_hs=[2] of 8 is)."""
+    degraded_frac: float = 0.7
+    """tok/s below this fraction of the stored baseline (same fingerprint and config) is degraded."""
+    throughput_window: int = 5
+    """Metrics records whose median tok/s is compared (one slow interval is not a trend)."""
+    eta_blowup: float = 3.0
+    """ETA above this multiple of the median of the run's earlier ETAs is a blow-up."""
+    eta_min_history: int = 5
+    """Earlier records (after warm-up) needed before an ETA blow-up is judged."""
+    metrics_stale_intervals: float = 6.0
+    """No metrics record for this many status intervals (run.status_interval_s) while the job runs."""
+    xid_window_s: float = 3600.0
+    """XID events are reported for this long after they happened."""
+    sampler_silent_s: float = 10.0
+    """No line from the sampler for this long: the host, the ssh link or the sampler is stuck."""
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any] | None, *, where: str = "[watch]") -> Thresholds:
+        """Defaults overridden by a TOML table, e.g. the `[watch]` table of dflashctl's config file:
+        keys are the field names; a wrong key or type raises RunnerError naming it."""
+        if not table:
+            return cls()
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in fields:
+                raise RunnerError(f"{where} {key}: unknown threshold; known: {', '.join(sorted(fields))}")
+            want = int if fields[key].type in ("int", int) else float
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or (want is int and not isinstance(value, int))
+            ):
+                raise RunnerError(
+                    f"{where} {key} must be {'an integer' if want is int else 'a number'} (got {value!r})"
+                )
+            if value < 0:
+                raise RunnerError(f"{where} {key} must be >= 0 (got {value!r})")
+            values[key] = want(value)
+        return cls(**values)
+
+    def to_table(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,367 @@
+"""Every detector fires on its fault and stays quiet on a healthy run (sampler lines built directly)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from test_watch_fakes import healthy_sample, metric
+
+from runner.errors import RunnerError
+from runner.watch.detectors import Finding, Thresholds, detect, exit_code
+from runner.watch.snapshot import History
+
+T0 = 1_800_000_000.0
+
+
+def run(
+    *samples: dict[str, Any], baseline: float | None = None, th: Thresholds | None = None
+) -> list[Finding]:
+    history = History(baseline_tok_s=baseline)
+    for s in samples:
+        history.ingest(s)
+    return detect(history.snapshots, th)
+
+
+def kinds(findings: list[Finding]) -> list[tuple[str, str, str]]:
+    return [(f.severity, f.kind, f.subject) for f in findings]
+
+
+def sample(t: float = T0, **kw: Any) -> dict[str, Any]:
+    s = healthy_sample(t)
+    s.update(kw)
+    return s
+
+
+def with_worker(s: dict[str, Any], name: str, **fields: Any) -> dict[str, Any]:
+    s = copy.deepcopy(s)
+    s["workers"][name].update(fields)
+    return s
+
+
+def with_gpu(s: dict[str, Any], index: int, **fields: Any) -> dict[str, Any]:
+    s = copy.deepcopy(s)
+    s["gpus"][index].update(fields)
+    return s
+
+
+def seconds_of(base: dict[str, Any], n: int, **gpu_fields: Any) -> list[dict[str, Any]]:
+    """n one-second samples ending at base's time, with base's readings (and GPU changes)."""
+    out = []
+    for i in range(n):
+        s = copy.deepcopy(base)
+        s["t"] = base["t"] - (n - 1 - i)
+        if i:
+            s.pop("manifest", None)
+            s["metrics"] = []
+        out.append(s)
+    return out
+
+
+def test_healthy_run_has_no_findings() -> None:
+    findings = run(*seconds_of(sample(), 15), baseline=20500)
+    assert findings == [] and exit_code(findings) == 0
+
+
+# ---- workers -------------------------------------------------------------------------------------
+
+
+def test_dead_worker() -> None:
+    f = run(with_worker(sample(), "drafter-1", alive=False, proc_state="gone", age_s=3.0))
+    assert ("critical", "dead_worker", "drafter-1") in kinds(f)
+    assert "drafter-1 on GPU 3 is dead" in f[0].message and "drafter group" in f[0].advice
+
+
+def test_dead_worker_by_stale_heartbeat_when_the_pid_cannot_be_checked() -> None:
+    f = run(with_worker(sample(), "drafter-1", alive="n/a", age_s=30.0))
+    assert ("critical", "dead_worker", "drafter-1") in kinds(f)
+
+
+def test_stopped_worker_is_not_dead() -> None:
+    assert run(with_worker(sample(), "drafter-1", alive=False, state="stopped")) == []
+
+
+def test_frozen_worker_heartbeat_stale_but_process_there() -> None:
+    f = run(with_worker(sample(), "drafter-0", age_s=25.0, proc_state="stopped"))
+    assert kinds(f) == [("critical", "hung_worker", "drafter-0")]
+    assert "frozen" in f[0].message and "SIGSTOP" in f[0].message
+
+
+def _stuck(s: dict[str, Any], **fields: Any) -> list[dict[str, Any]]:
+    s = with_worker(s, "drafter-1", **{"progress_age_s": 45.0, **fields})
+    return seconds_of(with_gpu(s, 3, util_gpu=1), 12)
+
+
+def test_hung_worker_no_progress_while_input_waits_and_gpu_idle() -> None:
+    f = run(*_stuck(sample()))
+    assert ("critical", "hung_worker", "drafter-1") in kinds(f)
+    hung = next(x for x in f if x.kind == "hung_worker")
+    assert "no progress for 45 s" in hung.message and "q_hs=[3]" in hung.message and "1%" in hung.message
+
+
+@pytest.mark.parametrize("state", ["compiling", "checkpointing", "starting"])
+def test_hung_worker_quiet_while_compiling_or_checkpointing(state: str) -> None:
+    assert "hung_worker" not in [f.kind for f in run(*_stuck(sample(), state=state))]
+
+
+def test_hung_worker_quiet_when_nothing_waits_or_gpu_busy() -> None:
+    empty = sample()
+    empty["metrics"] = [metric(T0 - 1, q_hs=[0])]
+    assert "hung_worker" not in [f.kind for f in run(*_stuck(empty))]
+    busy = with_worker(sample(), "drafter-1", progress_age_s=45.0)
+    assert "hung_worker" not in [f.kind for f in run(*seconds_of(busy, 12))]
+
+
+def test_hung_single_process_job() -> None:
+    s = sample(events=[{"event": "started", "mode": "single-process"}])
+    s["gpus"] = s["gpus"][:1]
+    s["workers"] = {
+        "target-0": s["workers"]["target-0"],
+        "drafter-0": dict(s["workers"]["target-0"], role="drafter", index=0, progress_age_s=45.0),
+    }
+    s = with_gpu(s, 0, util_gpu=0)
+    f = run(*seconds_of(s, 12))
+    assert ("critical", "hung_worker", "drafter-0") in kinds(f)
+    assert "its data is local" in next(x.message for x in f if x.subject == "drafter-0")
+
+
+def test_hung_worker_on_cpu_judged_by_cpu_use() -> None:
+    s = sample()
+    s["gpus"] = []
+    s = with_worker(s, "drafter-1", gpu_index=None, device="cpu", progress_age_s=45.0, cpu_percent=0.5)
+    assert ("critical", "hung_worker", "drafter-1") in kinds(run(s))
+    assert run(with_worker(s, "drafter-1", cpu_percent=180.0)) == []
+
+
+def _full_idle(s: dict[str, Any], **worker: Any) -> list[dict[str, Any]]:
+    s = with_gpu(s, 2, mem_used_mb=97000.0, util_gpu=0)
+    return seconds_of(with_worker(s, "drafter-0", **{"progress_age_s": 600.0, **worker}), 12)
+
+
+def test_likely_oom_memory_full_idle_no_progress() -> None:
+    f = run(*_full_idle(sample()))
+    assert ("critical", "likely_oom", "GPU 2") in kinds(f)
+    oom = next(x for x in f if x.kind == "likely_oom")
+    assert "drafter-0" in oom.message and "99%" in oom.message and "0% utilization" in oom.message
+    assert "hung_worker" not in [x.kind for x in f], "one finding per stuck worker"
+
+
+def test_likely_oom_not_fooled_by_the_first_compile() -> None:
+    assert "likely_oom" not in [f.kind for f in run(*_full_idle(sample(), state="compiling"))]
+    assert "likely_oom" not in [f.kind for f in run(*_full_idle(sample(), uptime_s=120.0))]  # warm-up
+    progressing = _full_idle(sample(), progress_age_s=2.0)
+    assert "likely_oom" not in [f.kind for f in run(*progressing)]
+
+
+# ---- pipeline ------------------------------------------------------------------------------------
+
+
+def _queues(s: dict[str, Any], q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
+    s = copy.deepcopy(s)
+    s["metrics"] = [metric(s["t"] - 1, q_pre=q_pre, q_hs=q_hs, tgt_bps=0.1, dft_bps=0.1, tok_s=4000.0)]
+    return s
+
+
+def test_starved_pipeline_drafters_are_the_bottleneck() -> None:
+    s = _queues(sample(), [50, 46], [0])
+    for i, u in ((0, 4), (1, 6), (2, 0), (3, 2)):
+        s = with_gpu(s, i, util_gpu=u)
+    f = run(s)
+    starved = next(x for x in f if x.kind == "drafters_bottleneck")
+    assert starved.severity == "critical"
+    assert "drafters are the bottleneck" in starved.message and "q_pre=[50, 46] of 50" in starved.message
+    assert "q_hs=[0] of 8" in starved.message and "GPU 2 (drafter-0, 0%)" in starved.message
+    assert starved.numbers["idle_drafter_gpus"] == [2, 3]
+
+
+def test_a_target_gpu_between_two_batches_is_still_busy() -> None:
+    s = _queues(sample(), [50, 50], [0])
+    earlier = seconds_of(s, 10)
+    now = copy.deepcopy(earlier[-1])
+    now["t"] += 1
+    for i in range(4):
+        now = with_gpu(now, i, util_gpu=3)  # one low reading
+    assert "drafters_bottleneck" not in [f.kind for f in run(*earlier, now)]
+
+
+def test_targets_busy_with_drafters_waiting_is_the_targets_bottleneck() -> None:
+    s = _queues(sample(), [50, 50], [0])
+    s = with_worker(with_worker(s, "drafter-0", state="waiting_input"), "drafter-1", state="waiting_input")
+    f = run(s)
+    assert kinds(f) == [("info", "targets_bottleneck", "pipeline")]
+    assert "targets are the bottleneck" in f[0].message
+
+
+def test_hidden_states_piling_up_means_slower_drafters() -> None:
+    s = _queues(sample(), [50, 50], [8])
+    s = with_worker(with_worker(s, "target-0", state="waiting_output"), "target-1", state="waiting_output")
+    assert kinds(run(s)) == [("info", "drafters_slower", "pipeline")]
+
+
+def test_empty_prefetch_queues_with_waiting_targets_is_the_data() -> None:
+    s = _queues(sample(), [0, 1], [3])
+    s = with_worker(s, "target-0", state="waiting_input")
+    assert kinds(run(s)) == [("info", "data_bottleneck", "pipeline")]
+
+
+def test_pipeline_detectors_quiet_for_a_single_process_job() -> None:
+    s = _queues(sample(), [0], [0])
+    s["events"] = [{"event": "started", "mode": "single-process"}]
+    assert run(s) == []
+
+
+def test_the_one_busy_gpu_is_named_with_its_worker() -> None:
+    s = with_gpu(with_gpu(sample(), 0, util_gpu=100), 1, util_gpu=3)
+    f = [x for x in run(s) if x.kind == "busy_gpu"]
+    assert len(f) == 1 and f[0].subject == "GPU 0" and "target-0 pid 1000 at 100%" in f[0].message
+
+
+def _records(tok_s: list[float], eta_s: list[float] | None = None) -> dict[str, Any]:
+    s = sample()
+    s["metrics"] = [
+        metric(T0 - 10 * (len(tok_s) - i), tok_s=v, eta_s=(eta_s or [8 * 86400.0] * len(tok_s))[i])
+        for i, v in enumerate(tok_s)
+    ]
+    return s
+
+
+def test_throughput_below_the_baseline_of_this_fingerprint() -> None:
+    f = run(_records([4600.0] * 5), baseline=20800)
+    slow = next(x for x in f if x.kind == "slow_kernels")
+    assert slow.severity == "warning" and "4.6K tok/s is 22% of the baseline 20.8K tok/s" in slow.message
+    assert run(_records([19800.0] * 5), baseline=20800) == []
+    assert run(_records([4600.0] * 5)) == [], "no baseline stored: nothing to compare with"
+
+
+def test_throughput_not_judged_during_warm_up() -> None:
+    s = _records([4600.0] * 5)
+    for m in s["metrics"]:
+        m["elapsed_s"] = 120.0
+    assert run(s, baseline=20800) == []
+
+
+def test_eta_blowup_against_the_runs_own_history() -> None:
+    day = 86400.0
+    f = run(_records([20000.0] * 8, [8 * day] * 7 + [36.9 * day]))
+    assert kinds(f) == [("warning", "eta_blowup", "run")]
+    assert "36.9 d is 4.6x" in f[0].message
+    assert run(_records([20000.0] * 8, [8 * day] * 7 + [8.3 * day])) == []
+
+
+def test_metrics_stale_while_the_job_runs() -> None:
+    s = sample()
+    s["metrics"] = [metric(T0 - 120)]
+    assert kinds(run(s)) == [("warning", "metrics_stale", "run")]
+    compiling = with_worker(s, "drafter-0", state="compiling")
+    assert "metrics_stale" not in [f.kind for f in run(compiling)]
+    s["job"] = {"lock_pid": 1, "lock_held": False}
+    assert "metrics_stale" not in [f.kind for f in run(s)]
+
+
+# ---- events --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["unfused_flex", "recompile_limit", "force_compile_during_fx_trace"])
+def test_degraded_kernel_events(kind: str) -> None:
+    s = sample(
+        events=[{"t": T0, "event": "degraded", "worker": "drafter-0", "kind": kind, "detail": "d"}] * 2
+    )
+    f = run(s)
+    assert kinds(f) == [("warning", "degraded_kernels", "drafter-0")]
+
+
+def test_cache_miss_and_cold_compile_where_an_artifact_was_restored() -> None:
+    compiled = {"event": "compiled", "worker": "drafter-0", "seconds": 11.5, "hits": 0, "misses": 14}
+    s = sample(events=[compiled, {"event": "cache_miss", "worker": "drafter-1", "fxgraph_misses": 3}])
+    s["manifest"]["cache_artifact"] = "a" * 64
+    assert sorted(kinds(run(s))) == [
+        ("warning", "cache_miss", "drafter-1"),
+        ("warning", "cold_compile", "drafter-0"),
+    ]
+    warm = dict(compiled, hits=14, misses=0)
+    assert run(sample(events=[warm])) == []
+    s = sample(events=[compiled])  # no artifact restored: a cold compile is expected
+    assert run(s) == []
+
+
+def test_restarts_counted_and_none_left() -> None:
+    restart = {"event": "restart", "role": "drafter-group", "generation": 1}
+    s = sample(events=[restart])
+    s["manifest"]["config"]["pipeline"]["max_restarts"] = 3
+    f = run(s)
+    assert kinds(f) == [("info", "restarts", "drafter-group")] and "2 left" in f[0].message
+    s["events"] = [dict(restart, generation=g) for g in (1, 2, 3)]
+    assert kinds(run(s)) == [("warning", "restarts", "drafter-group")]
+
+
+def test_job_stopped() -> None:
+    stopped = sample(job={"lock_pid": 5, "lock_held": False})
+    stopped["events"] = [{"event": "stopped", "reason": "target-0 died (exit code 1)"}]
+    f = run(stopped)
+    assert kinds(f) == [("warning", "job_stopped", "run")] and "target-0 died" in f[0].message
+    stopped["events"] = [{"event": "stopped", "reason": "completed"}]
+    assert kinds(run(stopped)) == [("info", "job_stopped", "run")]
+    missing = sample(run_dir_exists=False)
+    assert kinds(run(missing)) == [("critical", "run_dir_missing", "run")]
+
+
+# ---- GPUs, NVML, the sampler ---------------------------------------------------------------------
+
+
+def test_xid_events() -> None:
+    s = sample(xid=[{"t": T0, "gpu": 2, "xid": 79}, {"t": T0, "gpu": 1, "xid": 13}])
+    f = run(s)
+    assert kinds(f) == [("critical", "gpu_xid", "GPU 2"), ("warning", "gpu_xid", "GPU 1")]
+    assert "fallen off the bus" in f[0].message and "drafter-0" in f[0].message
+    assert run(sample(xid=[{"t": T0 - 7200, "gpu": 2, "xid": 79}])) == [], "an old XID has aged out"
+
+
+def test_throttling_ecc_and_lost_gpus() -> None:
+    s = with_gpu(sample(), 1, throttle=["hw slowdown", "hw thermal"], sm_clock_mhz=600)
+    f = run(s)
+    assert kinds(f) == [("warning", "gpu_throttle", "GPU 1")] and "600 MHz" in f[0].message
+    assert run(with_gpu(sample(), 1, throttle=["power cap", "idle"])) == []
+    assert kinds(run(with_gpu(sample(), 1, ecc_uncorrected=2))) == [("critical", "gpu_ecc", "GPU 1")]
+    lost = with_gpu(sample(), 1, faults={"nvmlDeviceGetMemoryInfo": "GPU is lost"})
+    assert ("critical", "gpu_fault", "GPU 1") in kinds(run(lost))
+
+
+def test_nvml_not_answering_and_unavailable() -> None:
+    assert kinds(run(sample(nvml="not answering"))) == [("warning", "nvml", "nvml")]
+    assert kinds(run(sample(nvml="unavailable: driver not loaded", gpus=[]))) == [("info", "nvml", "nvml")]
+
+
+def test_silent_sampler() -> None:
+    history = History()
+    snap = history.ingest(sample())
+    import dataclasses
+
+    history.snapshots[-1] = dataclasses.replace(snap, sample_age_s=30.0, source="silent")
+    assert kinds(detect(history.snapshots)) == [("warning", "sampler", "sampler")]
+
+
+# ---- thresholds and exit codes -------------------------------------------------------------------
+
+
+def test_exit_code_by_severity() -> None:
+    def f(sev: Any) -> Finding:
+        return Finding(severity=sev, kind="k", subject="s", message="m", advice="a")
+
+    assert [exit_code([]), exit_code([f("info")]), exit_code([f("info"), f("warning")])] == [0, 0, 1]
+    assert exit_code([f("warning"), f("critical")]) == 2
+
+
+def test_thresholds_from_a_watch_table() -> None:
+    th = Thresholds.from_table({"stale_s": 3, "hung_s": 5.5, "throughput_window": 10})
+    assert (th.stale_s, th.hung_s, th.throughput_window) == (3.0, 5.5, 10)
+    assert Thresholds.from_table(None) == Thresholds()
+    with pytest.raises(RunnerError, match=r"\[watch\] stale: unknown threshold"):
+        Thresholds.from_table({"stale": 3})
+    with pytest.raises(RunnerError, match="must be an integer"):
+        Thresholds.from_table({"throughput_window": 2.5})
+    with pytest.raises(RunnerError, match="must be a number"):
+        Thresholds.from_table({"stale_s": "3"})
+    # A tighter threshold makes a quiet reading fire.
+    s = with_worker(sample(), "drafter-0", age_s=4.0, proc_state="running")
+    assert run(s) == [] and kinds(run(s, th=th)) == [("critical", "hung_worker", "drafter-0")]
