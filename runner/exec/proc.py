@@ -19,9 +19,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-START_SLACK_S = 5.0
-"""How far a recorded start time (a heartbeat's started_at, written just after the process began)
-may lie after the kernel's start time and still name the same process."""
+START_LEAD_S = 1800.0
+"""How far a recorded start time may lie after the kernel's start time and still name the same
+process: a heartbeat's started_at is written after torch is imported and the model built, which
+can take minutes. A reused pid is told apart because its process started after the record."""
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -60,7 +61,7 @@ class ProcId:
         started = start_time(self.pid)
         if started is None:
             return False
-        return self.started_at is None or started - 1.0 <= self.started_at <= started + START_SLACK_S
+        return self.started_at is None or started - 1.0 <= self.started_at <= started + START_LEAD_S
 
 
 def children(pid: int) -> list[int]:

@@ -72,6 +72,7 @@ def record_for(plan: RunPlan) -> RunRecord:
             for h in plan.hosts
         ],
         argv={str(h.node_rank): h.argv for h in plan.hosts},
+        plan=plan.to_dict(),
     )
 
 
@@ -188,3 +189,26 @@ def _backend_gone(plan: RunPlan, hp: HostPlan) -> bool:
     if hp.container:
         return docker_backend.state(hp.host, hp.container) not in ("running", "created")
     return False
+
+
+def host_plan(rec: RunRecord, node_rank: int) -> HostPlan:
+    """One host's plan back from the registry (what relaunching needs: argv, env, cwd, names)."""
+    from runner.launch.plan import Mount
+
+    for d in rec.plan.get("hosts", []):
+        if d["node_rank"] == node_rank:
+            return HostPlan(**{**d, "mounts": [Mount(**m) for m in d.get("mounts", [])]})
+    raise RunnerError(f"{rec.run_id} was launched by an older dflashctl: its registry entry has no plan")
+
+
+def relaunch(rec: RunRecord, node_rank: int) -> None:
+    """Start a stopped run's supervisor again through its backend, on the same run directory: the
+    job resumes from its newest checkpoint (the data position of each target included)."""
+    hp = host_plan(rec, node_rank)
+    if rec.backend == "tmux":
+        tmux.start(hp)
+    elif rec.backend == "docker":
+        assert hp.container
+        remote.run(hp.host, ["docker", "start", hp.container], timeout=120)
+    else:
+        raise RunnerError(f"{rec.run_id} ran in the foreground of another terminal: relaunch it there")

@@ -101,7 +101,7 @@ def recorded_processes(view: RunView) -> list[tuple[int, float | None]]:
     return sorted(ids.items())
 
 
-def _proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
+def proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
     """runner/exec/proc.py run on the host by its own python3 (stdlib only), fed over stdin."""
     python = sys.executable if host is None else "python3"
     proc = remote.run(host, [python, "-", *verb], input=_PROC_SOURCE.encode(), timeout=60)
@@ -111,7 +111,7 @@ def _proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
 def alive_pids(host: str | None, ids: list[tuple[int, float | None]]) -> list[int]:
     if not ids:
         return []
-    return list(_proc_tool(host, ["alive", json.dumps(ids)]).get("alive", []))
+    return list(proc_tool(host, ["alive", json.dumps(ids)]).get("alive", []))
 
 
 def _kill_all(rec: RunRecord, h: HostRecord, view: RunView) -> None:
@@ -119,7 +119,7 @@ def _kill_all(rec: RunRecord, h: HostRecord, view: RunView) -> None:
         docker_backend.signal(h.host, h.container, "KILL")
     ids = recorded_processes(view)
     if ids and not h.container:  # container pids are in the container's namespace: docker kill did it
-        _proc_tool(h.host, ["signal", "SIGKILL", json.dumps(ids)])
+        proc_tool(h.host, ["signal", "SIGKILL", json.dumps(ids)])
     if h.tmux_session:
         tmux.kill(h.host, h.tmux_session)
 

@@ -54,7 +54,9 @@ class RunRecord:
     config: str
     hosts: list[HostRecord] = field(default_factory=list)
     argv: dict[str, list[str]] = field(default_factory=dict)
-    """Per node rank, what the backend ran: what `watch` relaunches with."""
+    """Per node rank, the job's command line."""
+    plan: dict[str, Any] = field(default_factory=dict)
+    """The whole launch plan (RunPlan.to_dict()): what `watch` relaunches a stopped job with."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -68,6 +68,7 @@ def sampler_argv(
     once: bool = False,
     python: str = "python3",
     fake_nvml: str | Path | None = None,
+    keep: bool = False,
 ) -> list[str]:
     """The command that runs the sampler with bundle_source() on its stdin; over ssh, pass it as one
     shell word list (shlex.join) after the host."""
@@ -76,4 +77,6 @@ def sampler_argv(
         argv.append("--once")
     if fake_nvml is not None:
         argv += ["--fake-nvml", str(fake_nvml)]
+    if keep:
+        argv.append("--keep")
     return argv

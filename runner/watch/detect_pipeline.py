@@ -78,6 +78,31 @@ def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             f"GPU {g} ({n}, {u:.0f}%)" for g, n, u in sorted(idle, key=lambda x: x[0] or 0)
         )
         targets = "idle" if target_util is None else f"at {fmt_pct(target_util)} (median)"
+        drafters = snap.role("drafter")
+        # Every drafter alive, stepping and (where NVML reads it) busy: they are merely the slower
+        # half of a healthy pipeline. Critical is for drafters that are dead, stuck or idle.
+        working = (
+            bool(drafters)
+            and not idle
+            and all(
+                w.alive and w.progress_age_s is not None and w.progress_age_s <= th.hung_s for w in drafters
+            )
+        )
+        if working:
+            return [
+                Finding(
+                    severity="info",
+                    kind="drafters_bottleneck",
+                    subject="pipeline",
+                    message=(
+                        f"drafters are the slower half: the targets' prefetch queues are full and hidden "
+                        f"states are taken as soon as they are ready ({queues}); every drafter is stepping. "
+                        f"{_rates(p)}"
+                    ),
+                    advice="more drafter GPUs (pipeline.drafters) would raise throughput; fewer targets would do",
+                    numbers={**numbers, "idle_drafter_gpus": []},
+                )
+            ]
         return [
             Finding(
                 severity="critical",

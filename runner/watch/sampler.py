@@ -18,7 +18,11 @@ Each line (schema version 1; NA fields are "n/a"):
      "events": [events.jsonl records since the previous line, without `batch` debugging records],
      "job": {"lock_pid", "lock_held": bool | "n/a"},
      "manifest": {run.json}      only on the first line and when run.json changes,
-     "sampler": {"pid", "psutil", "seconds"}}
+     "sampler": {"pid", "psutil", "seconds"},
+     "watch_lock": "held" | "other" | "off"}
+With --keep, the sampler takes `<run dir>/watch/lock` (an flock: one acting watch per run, held for
+the sampler's life, released by the kernel however it ends) and, while it holds it, appends a compact
+GPU and worker record per line to `<run dir>/watch/samples.jsonl` for `dflashctl report`.
 The first line carries a backlog: the newest metrics and events already in the files.
 Ages are computed here, on the host's clock, which the job's timestamps use too.
 
@@ -135,6 +139,57 @@ class SamplerState:
         self.events = JsonlTail(self.run_dir / "events.jsonl", first_read_max_bytes=16 << 20)
         self._manifest_stamp: tuple[int, int] | None = None
         self._first = True
+        self.keep = False
+        self._lock_fd: int | None = None
+
+
+def _watch_lock(state: SamplerState) -> str:
+    """held | other | off: whether this sampler is the run's acting watch (retried every line, so a
+    second watch takes over when the first one exits)."""
+    if not state.keep:
+        return "off"
+    if state._lock_fd is not None:
+        return "held"
+    import fcntl
+
+    d = state.run_dir / "watch"
+    try:
+        d.mkdir(exist_ok=True)
+        fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return "other"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return "other"
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    state._lock_fd = fd
+    return "held"
+
+
+def _keep(state: SamplerState, sample: dict[str, Any]) -> None:
+    gpus = [
+        {
+            k: g.get(k)
+            for k in ("index", "util_gpu", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "throttle")
+        }
+        for g in sample["gpus"]
+    ]
+    workers = {
+        name: {k: w.get(k) for k in ("state", "step", "alive", "gpu_index")}
+        for name, w in sample["workers"].items()
+    }
+    line = dumps({"t": sample["t"], "host": sample["host"], "gpus": gpus, "workers": workers}) + "\n"
+    try:
+        fd = os.open(state.run_dir / "watch" / "samples.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())  # one O_APPEND write per record, as the job writes its files
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # a full disk must not stop the monitor
 
 
 def _manifest_if_changed(state: SamplerState) -> dict[str, Any] | None:
@@ -252,6 +307,9 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     if manifest is not None:
         sample["manifest"] = manifest
     state._first = False
+    sample["watch_lock"] = _watch_lock(state) if sample["run_dir_exists"] else "off"
+    if sample["watch_lock"] == "held":
+        _keep(state, sample)
     sample["sampler"] = {
         "pid": os.getpid(),
         "psutil": state.probe.uses_psutil,
@@ -272,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backlog", type=int, default=360, help="metrics records sent on the first line")
     ap.add_argument("--deadline", type=float, default=0.5, help="seconds an NVML call may take")
     ap.add_argument("--fake-nvml", help="JSON spec of a FakeNVML (tests, GPU-less machines)")
+    ap.add_argument("--keep", action="store_true", help="take the watch lock; keep samples in the run dir")
     args = ap.parse_args(argv)
     backend = None
     if args.fake_nvml:
@@ -284,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval_s=args.interval,
         backlog=args.backlog,
     )
+    state.keep = args.keep
     next_at = time.monotonic()
     try:
         while True:

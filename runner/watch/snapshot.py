@@ -281,7 +281,7 @@ class History:
             xids=tuple(self.xids),
             xid_supported=isinstance(xid, list),
             manifest=self.manifest,
-            job=dict(sample.get("job") or {}),
+            job={**dict(sample.get("job") or {}), "watch_lock": sample.get("watch_lock", "off")},
             run_dir=str(sample.get("run_dir", "")),
             run_dir_exists=bool(sample.get("run_dir_exists", True)),
             baseline_tok_s=self.baseline_tok_s,

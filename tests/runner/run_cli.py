@@ -27,11 +27,13 @@ class Cli:
 
     def __init__(self, tmp: Path, **env: str) -> None:
         self.runs = tmp / "runs"
+        (tmp / "home").mkdir(exist_ok=True)
         self.env = {
             **os.environ,
             "DFLASH_STATE_DIR": str(tmp / "state"),
             "DFLASH_CACHE_STORE": str(tmp / "store"),
             "XDG_CACHE_HOME": str(tmp / "xdg-cache"),
+            "HOME": str(tmp / "home"),  # managed compile caches land in $HOME/.cache/dflashctl
             "COLUMNS": "400",  # rich wraps messages at the terminal width; keep each on one line
             **env,
         }

@@ -1,0 +1,156 @@
+"""One `dflashctl watch`: a sampler per host of the run (a local subprocess, or the same program fed
+to the host's python3 over the run's ssh connection), a Watcher and an Actor per host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.cache.store import default_store_root
+from runner.exec import remote
+from runner.launch.apply import relaunch
+from runner.launch.control import proc_tool
+from runner.launch.registry import HostRecord, RunRecord
+from runner.rundir import RunLocation, append_event
+from runner.watch.actions import Actor, Policy, signal_args
+from runner.watch.baseline import key_of, update_from_healthy_run
+from runner.watch.bundle import sampler_argv
+from runner.watch.findings import Finding, exit_code
+from runner.watch.snapshot import Snapshot
+from runner.watch.thresholds import Thresholds
+from runner.watch.watcher import Watcher, start_sampler
+
+
+def baselines_dir() -> Path:
+    """Beside the cache artifacts: a baseline belongs to a fingerprint, as an artifact does."""
+    return default_store_root().parent / "baselines"
+
+
+@dataclass(kw_only=True, slots=True)
+class HostWatch:
+    host: HostRecord
+    proc: subprocess.Popen[str]
+    watcher: Watcher
+    actor: Actor
+    snap: Snapshot | None = None
+    findings: list[Finding] = field(default_factory=list)
+    critical_after_warmup: bool = False
+
+    @property
+    def acting(self) -> bool:
+        """This watch holds the run's watch lock on that host (the sampler took it)."""
+        latest = self.watcher.history.latest
+        return bool(latest is not None and latest.job.get("watch_lock") == "held")
+
+
+class WatchSession:
+    def __init__(
+        self,
+        rec: RunRecord,
+        *,
+        interval_s: float = 1.0,
+        thresholds: Thresholds | None = None,
+        policy: Policy | None = None,
+        once: bool = False,
+        fake_nvml: str | None = None,
+    ) -> None:
+        self.rec = rec
+        self.interval_s = interval_s
+        self.thresholds = thresholds or Thresholds()
+        self.policy = policy or Policy()
+        self.once = once
+        self.hosts: list[HostWatch] = []
+        for h in rec.hosts:
+            python = sys.executable if h.host is None else "python3"
+            argv = sampler_argv(h.run_dir, interval_s=interval_s, once=once, python=python, fake_nvml=fake_nvml,
+                                keep=not once)  # fmt: skip
+            proc = start_sampler(remote.remote_argv(h.host, argv))
+            watcher = Watcher(proc.stdout, self.thresholds, baseline_dir=baselines_dir())
+            self.hosts.append(HostWatch(host=h, proc=proc, watcher=watcher, actor=self._actor(h)))
+
+    def _actor(self, h: HostRecord) -> Actor:
+        loc = RunLocation(h.run_dir, h.host)
+
+        def signal_host(sig: str, pid: int, started_at: float | None) -> None:
+            proc_tool(h.host, signal_args(sig, pid, started_at))
+
+        can_relaunch = self.rec.backend in ("tmux", "docker") and bool(self.rec.plan)
+        return Actor(
+            self.policy,
+            signal_host=signal_host,
+            relaunch=(lambda: relaunch(self.rec, h.node_rank)) if can_relaunch else None,
+            log_event=lambda event, **fields: append_event(loc, event, **fields),
+        )
+
+    def refresh(self, timeout: float) -> list[HostWatch]:
+        deadline = time.monotonic() + timeout
+        for hw in self.hosts:
+            hw.snap, hw.findings = hw.watcher.refresh(timeout=max(0.0, deadline - time.monotonic()))
+            if hw.acting and hw.snap is not None and hw.snap.t > 0:
+                hw.actor.report(hw.snap, hw.findings)
+                hw.actor.act(hw.snap, hw.findings)
+            uptime = max((w.uptime_s or 0 for w in hw.snap.workers), default=0) if hw.snap else 0
+            if uptime > self.thresholds.warmup_s and any(f.severity == "critical" for f in hw.findings):
+                hw.critical_after_warmup = True
+        return self.hosts
+
+    def finished(self) -> bool:
+        """The job stopped on every host for good: completed, or stopped by a signal (a user's
+        `dflashctl stop`), with no relaunch pending."""
+        done = 0
+        for hw in self.hosts:
+            stopped = next((f for f in hw.findings if f.kind == "job_stopped"), None)
+            reason = str(stopped.numbers.get("reason") or "") if stopped else None
+            if reason is not None and (reason == "completed" or reason.startswith("signal")):
+                done += 1
+            elif reason is not None and not self.policy.restart:
+                done += 1  # nothing will bring it back
+        return done == len(self.hosts)
+
+    def exit_code(self) -> int:
+        return max((exit_code(hw.findings) for hw in self.hosts), default=0)
+
+    def record_baseline(self) -> list[Any]:
+        """A run that completed without critical findings after warm-up sets the baseline tok/s for
+        its fingerprint and config (what `degraded kernels` compares later runs against)."""
+        out = []
+        for hw in self.hosts:
+            latest = hw.watcher.history.latest
+            if latest is None or hw.critical_after_warmup or not hw.acting:
+                continue
+            stopped = next((f for f in hw.findings if f.kind == "job_stopped"), None)
+            if stopped is None or stopped.numbers.get("reason") != "completed":
+                continue
+            key = key_of(hw.watcher.history.manifest)
+            if key is None:
+                continue
+            metrics = [dict(m) for s in hw.watcher.history.snapshots for m in s.metrics]
+            b = update_from_healthy_run(baselines_dir(), key[0], key[1], metrics, run_id=self.rec.run_id)
+            if b is not None:
+                out.append(b)
+        return out
+
+    def close(self) -> None:
+        for hw in self.hosts:
+            if hw.proc.poll() is None:
+                hw.proc.terminate()
+                try:
+                    hw.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    hw.proc.kill()
+
+
+def wait_first(session: WatchSession, timeout: float, on_tick: Callable[[], None] | None = None) -> None:
+    """Until every host's sampler sent a line (or timeout): --once must judge a real sample."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        session.refresh(timeout=0.5)
+        if all(hw.watcher.history.latest is not None or hw.watcher.ended for hw in session.hosts):
+            return
+        if on_tick:
+            on_tick()
