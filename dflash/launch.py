@@ -226,7 +226,10 @@ class Supervisor:
         self.drafters = Proc(
             "drafter-group", torchrun, self.run.logs / f"drafter-group-node{self.node_rank}.log"
         )
-        self.drafters.start(env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        from dflash.resolve import worker_threads
+
+        # The drafters' intra-op threads, from the one rule dflash.warm compiles the pipeline drafter under.
+        self.drafters.start(env={"OMP_NUM_THREADS": str(worker_threads("drafter"))})
         self.run.event(
             "launched",
             node_rank=self.node_rank,

@@ -1,13 +1,17 @@
 """What a job config resolves to on this machine, decided without building a model: device,
-attention backend, kernel strictness, rows per length bucket and the captured target layers.
+attention backend, kernel strictness, rows per length bucket, the captured target layers, and the
+process state compiled code depends on (intra-op threads, DDP) for each kind of job process.
 
-The trainer, the launcher, the fingerprint and the config check (dflash.check) all ask here, so
-they cannot disagree. Deliberately light (no transformers import): dflash.check runs it before
-anything starts.
+The trainer, the launcher, the workers, warm-cache, the fingerprint and the config check
+(dflash.check) all ask here, so they cannot disagree. Deliberately light (no transformers import):
+dflash.check runs it before anything starts.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,3 +74,87 @@ def target_layer_ids(drafter: Any, n_target_layers: int) -> list[int]:
     if len(set(ids)) != len(ids):
         raise ConfigError("drafter.target_layer_ids", f"has duplicates: {ids}")
     return sorted(ids)
+
+
+# ---- the process state compiled code depends on --------------------------------------------------
+#
+# inductor keys (and specialises) a graph that runs C++ on the CPU on the process's intra-op thread
+# count (torch.get_num_threads(): FxGraphHashDetails.cpp_runtime_thread_count), and dynamo's
+# DDPOptimizer compiles a layer that runs inside DistributedDataParallel as other graphs (split at
+# gradient-bucket boundaries). Both are process state, not config, so dflash.warm can only compile
+# what a job process compiles if each job process takes that state from here, and warm compiles
+# once per distinct state (compile_contexts).
+
+ROLES = ("train", "target", "drafter")
+"""Kinds of job process: dflash.train (target and drafter in one process), a pipeline target worker,
+a pipeline drafter worker (dflash.launch runs them under torchrun)."""
+
+PIPELINE_DRAFTER_THREADS = 1
+"""Intra-op threads of a pipeline drafter when OMP_NUM_THREADS is not set: the launcher runs targets
+and drafters side by side on one host's cores (and torchrun would otherwise default to 1 with a warning)."""
+
+_DEFAULT_THREADS = torch.get_num_threads()
+"""torch's own default for this process (OMP_NUM_THREADS, else the physical cores), read when this
+module is first imported: before any dflash code changes it."""
+
+
+def omp_threads(env: Mapping[str, str] | None = None) -> int | None:
+    """OMP_NUM_THREADS as a positive int, None when unset or not one (torch then ignores it too)."""
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def worker_threads(role: str, env: Mapping[str, str] | None = None) -> int:
+    """Intra-op CPU threads a job process of `role` (one of ROLES) runs, and so compiles, under."""
+    if role not in ROLES:
+        raise ValueError(f"unknown job process role {role!r}; one of {ROLES}")
+    explicit = omp_threads(env)
+    if explicit is not None:
+        return explicit
+    return PIPELINE_DRAFTER_THREADS if role == "drafter" else _DEFAULT_THREADS
+
+
+def apply_worker_threads(role: str) -> int:
+    """Set this process's intra-op threads for `role` (before anything compiles); returns the count.
+    A no-op where the process already runs with it (the usual case: the launcher sets OMP_NUM_THREADS)."""
+    n = worker_threads(role)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def drafter_world(cfg: JobConfig) -> int:
+    """Ranks of the pipeline's drafter group (all hosts): above 1 the drafter runs under DDP."""
+    return cfg.pipeline.drafters * cfg.pipeline.nnodes
+
+
+@dataclass(frozen=True, slots=True)
+class CompileContext:
+    """How one kind of job process runs a compiled part, as far as the compiled code depends on it."""
+
+    role: str
+    """The first job process of ROLES that compiles this way."""
+    threads: int
+    """Intra-op CPU threads (worker_threads)."""
+    ddp: bool
+    """The drafter is wrapped in DistributedDataParallel (a pipeline drafter group of more than 1 rank)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "threads": self.threads, "ddp": self.ddp}
+
+
+def compile_contexts(cfg: JobConfig, part: str, device: torch.device) -> list[CompileContext]:
+    """Every distinct way the job's processes compile `part` ("drafter" or "target") on `device`: the
+    single-process job and the pipeline's worker of that part. dflash.warm compiles each of them.
+
+    Thread counts only tell contexts apart on the CPU (graphs of CUDA tensors are not keyed on them)."""
+    if part not in ("drafter", "target"):
+        raise ValueError(f"unknown compiled part {part!r}; drafter or target")
+    candidates = [
+        CompileContext("train", worker_threads("train"), ddp=False),
+        CompileContext(part, worker_threads(part), ddp=part == "drafter" and drafter_world(cfg) > 1),
+    ]
+    distinct: dict[tuple[int | None, bool], CompileContext] = {}
+    for c in candidates:
+        distinct.setdefault((c.threads if device.type == "cpu" else None, c.ddp), c)
+    return list(distinct.values())

@@ -332,10 +332,12 @@ class Job:
     """Single-process job: one target and one drafter in turn (dflash.train)."""
 
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
+        from dflash.resolve import apply_worker_threads
         from dflash.target import TargetCapture
         from dflash.trainer import resolve_device
 
         self.cfg, self.run = cfg, run
+        apply_worker_threads("train")  # the thread count dflash.warm compiled the single-process job under
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.run.seed)
         parts = prepare_data(cfg, run)

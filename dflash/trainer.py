@@ -57,6 +57,22 @@ def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
         layer.compile(dynamic=False)
 
 
+def ddp_backend(device: torch.device) -> str:
+    """The drafter group's process-group backend: NCCL for the gradients on GPU, gloo for the CPU
+    control collectives (and everything on CPU)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """The drafter as a rank of a data-parallel group runs it. The wrapper is compile-relevant: dynamo's
+    DDPOptimizer splits every compiled layer that runs inside it at gradient-bucket boundaries, so
+    dflash.warm wraps with this same function (in a group of one) to compile those graphs too."""
+    if device.type != "cuda":
+        return nn.parallel.DistributedDataParallel(model)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return nn.parallel.DistributedDataParallel(model, device_ids=[index])
+
+
 def lr_factor(step: int, cfg: JobConfig) -> float:
     """Linear warmup, then cosine from lr down to lr * min_lr_ratio at total_steps."""
     t = cfg.train
@@ -121,11 +137,7 @@ class DrafterTrainer:
         ).to(device)
         apply_compile(model, cfg)
         self.model = model
-        self.module: nn.Module = model
-        if world_size > 1:
-            self.module = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
+        self.module: nn.Module = wrap_ddp(model, device) if world_size > 1 else model
         self.params = params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
         self.optimizer = torch.optim.AdamW(

@@ -8,16 +8,28 @@ apply_compile, attention backend, block masks, autocast; random drafter weights,
 the compiled code) and runs one real training step (forward, backward, optimizer) per shape bucket on
 synthetic tokens. With target.compile on, the drafter is then freed, the target is loaded as a target
 worker loads it, and it runs its forward per bucket, unpadded and padded (the two graphs a batch can
-take): "shape" events with part "target". Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
+take): "shape" events with part "target".
+
+Each shape is compiled once per compile context (dflash.resolve.compile_contexts): every distinct way
+a job process runs that part. The compiled code depends on process state beyond the config: on the
+CPU inductor keys and specialises graphs on the intra-op thread count (the single-process job runs
+torch's default, a pipeline drafter 1 unless OMP_NUM_THREADS says otherwise), and a drafter group of
+more than one rank runs under DDP, whose DDPOptimizer compiles each layer split at gradient-bucket
+boundaries (warm wraps the drafter the same way, in a process group of one). Between contexts dynamo
+forgets what it compiled, so the next call compiles again under the other key. Run warm in the
+environment the job runs in (same OMP_NUM_THREADS, same core count).
+
+Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
 
     {"event": "fingerprint", "key": ..., "fingerprint": {...}}
-    {"event": "plan", "shapes": [[rows, length], ...]}
+    {"event": "plan", "shapes": [[rows, length], ...], "contexts": {"drafter": [...], "target": [...]}}
     {"event": "shape", "part": "drafter"|"target", "index": i, "total": n, "shape": {"rows", "length"},
      "seconds": s, "counters": {...}}
     {"event": "done", "seconds": s, "counters": {...}}
 
-and writes DIR/warm.json ({key, fingerprint, shapes, seconds, counters}). Compiling from more than
-one thread of a process deadlocks cold inductor caches (field fact), hence no threads here.
+and writes DIR/warm.json ({key, fingerprint, shapes, contexts, seconds, counters}); a shape's
+counters and seconds cover all its contexts. Compiling from more than one thread of a process
+deadlocks cold inductor caches (field fact), hence no threads here.
 """
 
 from __future__ import annotations
@@ -27,12 +39,16 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.compile_cache import counters_delta, use_cache_dir
 from dflash.config import add_config_args
 from dflash.rundir import atomic_write_json
+
+if TYPE_CHECKING:  # dflash.resolve imports torch: only after main() has pointed inductor at --out
+    from dflash.resolve import CompileContext
 
 WARM_STATS = "warm.json"
 
@@ -57,14 +73,34 @@ def _synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: 
     return input_ids_BL, loss_mask_BL, seq_lens_B, hidden_BLF
 
 
+class _ContextSwitch:
+    """Puts this process into one compile context after another (see the module doc)."""
+
+    def __init__(self, on_enter: Callable[[CompileContext], None] | None = None) -> None:
+        self.current: CompileContext | None = None
+        self.on_enter = on_enter
+
+    def enter(self, ctx: CompileContext) -> None:
+        import torch
+
+        if self.current is not None and ctx != self.current:
+            torch._dynamo.reset()  # forget the compiled frames: the next call compiles under ctx's key
+        if torch.get_num_threads() != ctx.threads:
+            torch.set_num_threads(ctx.threads)
+        if self.on_enter is not None:
+            self.on_enter(ctx)
+        self.current = ctx
+
+
 def warm(cfg: Any, out: Path) -> dict[str, Any]:
     import torch
 
     from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job, shape_buckets
     from dflash.kernels import KernelGuard, compile_counters
+    from dflash.resolve import compile_contexts
     from dflash.session import torch_dtype
     from dflash.target import load_frozen_head
-    from dflash.trainer import DrafterTrainer, resolve_strict
+    from dflash.trainer import DrafterTrainer, resolve_strict, wrap_ddp
 
     job = resolve_job(cfg)
     spec, device, _, target_path = job
@@ -72,7 +108,11 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     key = fingerprint_key(fp)
     _emit("fingerprint", key=key, fingerprint=fp)
     shapes = shape_buckets(cfg)
-    _emit("plan", shapes=shapes)
+    contexts = {"drafter": compile_contexts(cfg, "drafter", device)}
+    if cfg.target.compile:
+        contexts["target"] = compile_contexts(cfg, "target", device)
+    plan_contexts = {part: [c.to_dict() for c in cs] for part, cs in contexts.items()}
+    _emit("plan", shapes=shapes, contexts=plan_contexts)
     embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
     trainer = DrafterTrainer(cfg, spec, embed, head, device)
     degraded: list[dict[str, str]] = []
@@ -84,14 +124,17 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     per_shape: list[dict[str, Any]] = []
 
-    def each_shape(part: str, run_one: Any) -> None:
+    def each_shape(part: str, switch: _ContextSwitch, run_one: Any) -> None:
         for i, (rows, length) in enumerate(shapes, 1):
             before = compile_counters()
             t0 = time.perf_counter()
-            run_one(_synthetic_step_inputs(cfg, spec, rows, length, device))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            guard.check()
+            inputs = _synthetic_step_inputs(cfg, spec, rows, length, device)
+            for ctx in contexts[part]:
+                switch.enter(ctx)
+                run_one(inputs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                guard.check()
             record = {
                 "part": part,
                 "shape": {"rows": rows, "length": length},
@@ -101,14 +144,23 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
             per_shape.append(record)
             _emit("shape", index=i, total=len(shapes), **record)
 
-    with guard:
-        each_shape("drafter", lambda inputs: trainer.train_step(*inputs))
+    with guard, _ddp_group_of_one(device if any(c.ddp for c in contexts["drafter"]) else None):
+        wrapped: dict[str, Any] = {}
+
+        def drafter_module(ctx: CompileContext) -> None:
+            # The module train_step runs: the bare drafter, or the DDP wrapper a pipeline rank runs.
+            if ctx.ddp and "ddp" not in wrapped:
+                wrapped["ddp"] = wrap_ddp(trainer.model, device)
+            trainer.module = wrapped["ddp"] if ctx.ddp else trainer.model
+
+        each_shape("drafter", _ContextSwitch(drafter_module), lambda inputs: trainer.train_step(*inputs))
         if cfg.target.compile:  # the target's regional compile is compiled code of this job too
             from dflash.target import TargetCapture
 
             # In a job the target has a device of its own: free the drafter's first (weights,
             # optimizer state, grads) so a large target fits beside nothing else.
             del trainer, embed, head
+            wrapped.clear()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             target = TargetCapture(
@@ -127,13 +179,14 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
                 padded_B[-1] -= 1
                 target(ids_BL, padded_B)
 
-            each_shape("target", forward_both)
+            each_shape("target", _ContextSwitch(), forward_both)
     total = time.perf_counter() - started
     counters = counters_delta(start_counters, compile_counters())
     stats = {
         "key": key,
         "fingerprint": fp,
         "shapes": per_shape,
+        "contexts": plan_contexts,
         "seconds": round(total, 3),
         "counters": counters,
         "degraded": degraded,
@@ -142,6 +195,24 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     atomic_write_json(out / WARM_STATS, stats)
     _emit("done", seconds=round(total, 3), counters=counters)
     return stats
+
+
+@contextlib.contextmanager
+def _ddp_group_of_one(device: Any) -> Iterator[None]:
+    """A process group of this one process (device None: none needed), so the drafter can be wrapped
+    in DDP exactly as a rank of a pipeline drafter group is. No network: an in-memory store."""
+    if device is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    from dflash.trainer import ddp_backend
+
+    dist.init_process_group(ddp_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

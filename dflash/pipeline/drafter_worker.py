@@ -142,17 +142,19 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     from dflash.compile_cache import cache_dir_from_env
     from dflash.kernels import compile_counters
     from dflash.pipeline.transport import HiddenStateQueue
+    from dflash.resolve import apply_worker_threads
     from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
-    from dflash.trainer import Meter
+    from dflash.trainer import Meter, ddp_backend
 
     cache_dir_from_env()  # before anything compiles
+    apply_worker_threads("drafter")  # the thread count dflash.warm compiled the pipeline drafter under
     g = Group()
     device = _device(cfg, g)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if g.world > 1:
         # The control collectives (stop agreement, resume step) use CPU tensors: gloo carries them.
-        g.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        g.init_process_group(ddp_backend(device))
     worker = f"drafter-{g.rank}"
     _redirect_output(run.log_path("drafter", g.rank))
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()

@@ -96,9 +96,11 @@ def run_target(
     import json
 
     from dflash.pipeline.transport import HiddenStateQueue
+    from dflash.resolve import apply_worker_threads
     from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
+    apply_worker_threads("target")  # the thread count dflash.warm compiled the target under
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
