@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Group
-from rich.live import Live
-from rich.rule import Rule
 
 from runner.cache.signing import config_path
-from runner.console import cli_errors, console, err_console
+from runner.console import cli_errors, console
 from runner.envs import tomllib
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.launch.registry import HostRecord, Registry, RunRecord
 from runner.watch.actions import Policy
-from runner.watch.dashboard import render_dashboard, snapshot_json
+from runner.watch.dashboard import snapshot_json
+from runner.watch.live import run_live, view
 from runner.watch.session import WatchSession, wait_first
 from runner.watch.thresholds import Thresholds
 
@@ -54,21 +50,6 @@ def find_run(ref: str) -> RunRecord:
             config="", hosts=[HostRecord(node_rank=0, host=None, run_dir=str(p.resolve()))],
         )  # fmt: skip
     return Registry().find(ref)
-
-
-def _view(session: WatchSession) -> Group:
-    parts: list[Any] = []
-    for hw in session.hosts:
-        if hw.snap is None:
-            continue
-        title = f"{session.rec.run_id} node {hw.host.node_rank} on {hw.host.host or 'this machine'}"
-        if hw.snap.job.get("watch_lock") == "other":
-            title += "  (read-only: another watch acts on this run)"
-        parts += [Rule(title), render_dashboard(hw.snap, hw.findings, stale_s=session.thresholds.stale_s)]
-        for a in hw.actor.done[-3:]:
-            parts.append(f"action {time.strftime('%H:%M:%S', time.localtime(a['t']))} {a['action']} "
-                         f"{a['subject']}: {a['detail']}" + ("" if a["ok"] else f" FAILED: {a.get('error')}"))  # fmt: skip
-    return Group(*parts)
 
 
 def register(app: typer.Typer) -> None:
@@ -131,74 +112,9 @@ def register(app: typer.Typer) -> None:
                             json.dumps({"run_id": rec.run_id, "exit_code": code, "hosts": out}, default=str)
                         )
                     else:
-                        console.print(_view(session))
+                        console.print(view(session))
                 else:
-                    code = _live(session, exporter)
+                    code = run_live(session, exporter)
             finally:
                 session.close()
         raise typer.Exit(code)
-
-
-def _live(session: WatchSession, exporter: Any) -> int:
-    tty = sys.stdout.isatty()
-    screen: _LiveAdapter | _Plain = (
-        _LiveAdapter(Live(console=console, auto_refresh=False)) if tty else _Plain()
-    )
-    with screen as live:
-        try:
-            while True:
-                session.refresh(timeout=session.interval_s)
-                if exporter is not None:
-                    for hw in session.hosts:
-                        if hw.snap is not None:
-                            exporter.update(hw.snap, hw.findings)
-                changed = _signature(session)
-                live.update(_view(session), refresh=True, changed=changed)
-                if session.finished():
-                    break
-        except KeyboardInterrupt:
-            pass
-    for b in session.record_baseline():
-        err_console.print(
-            f"baseline updated: {b.tok_s:,.0f} tok/s for this fingerprint and config", highlight=False
-        )
-    return session.exit_code()
-
-
-def _signature(session: WatchSession) -> object:
-    return tuple((tuple(sorted(f.key for f in hw.findings)), len(hw.actor.done)) for hw in session.hosts)
-
-
-class _LiveAdapter:
-    def __init__(self, live: Live) -> None:
-        self.live = live
-
-    def __enter__(self) -> _LiveAdapter:
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.live.__exit__(*exc)
-
-    def update(self, renderable: Any, refresh: bool = True, changed: object = None) -> None:
-        self.live.update(renderable, refresh=refresh)
-
-
-class _Plain:
-    """Off a tty: the dashboard printed once every 30 s (a log, not a screen)."""
-
-    def __init__(self) -> None:
-        self.last = 0.0
-        self.seen: object = None
-
-    def __enter__(self) -> _Plain:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, renderable: Any, refresh: bool = True, changed: object = None) -> None:
-        """Printed when the findings or actions change, and every 30 s."""
-        if changed != self.seen or time.monotonic() - self.last >= 30:
-            console.print(renderable)
-            self.last, self.seen = time.monotonic(), changed
