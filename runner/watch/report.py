@@ -46,6 +46,7 @@ NO_METRICS = (
 )
 NO_METRICS_PANEL = "no metrics yet\n(metrics.jsonl has no records)"
 NO_SAMPLES = "no watch samples\n(GPU readings are kept while `dflashctl watch RUN` runs)"
+NO_GPUS = "no GPU readings in the watch samples\n(a CPU run, or NVML was unavailable on the host)"
 
 
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -406,7 +407,7 @@ def _gpu_panel(ax: Axes, data: RunData, what: str, x: Any) -> None:
         "GPU utilization (%)" if what == "util" else "GPU memory used (GiB)", fontsize=10, loc="left"
     )
     if not data.gpus:
-        _empty(ax, NO_SAMPLES)
+        _empty(ax, NO_GPUS if data.samples else NO_SAMPLES)
         return
     totals = set()
     for g in data.gpus.values():
