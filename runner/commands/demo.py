@@ -38,7 +38,7 @@ from runner.launch.registry import Registry
 from runner.rundir import RunLocation, append_event
 from runner.watch.actions import Policy
 from runner.watch.live import run_live
-from runner.watch.report import build_report
+from runner.watch.report import build_report, read_jsonl
 from runner.watch.session import WatchSession
 
 
@@ -130,7 +130,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"   {line}", highlight=False)
             console.print(f"   report: {out}", highlight=False)
             console.print(f"   run directory: {hp.run_dir}   (dflashctl ps --all; dflashctl report {run_id})")
-            recovered = any(e.get("event") == "recovered" for e in _events(Path(hp.run_dir)))
+            recovered = any(
+                e.get("event") == "recovered" for e in read_jsonl(Path(hp.run_dir) / "events.jsonl")
+            )
             if summary.stop_reason != "completed":
                 raise RunnerError(
                     f"the demo job did not complete ({summary.stop_reason}); see dflashctl logs {run_id}"
@@ -149,13 +151,3 @@ def register(app: typer.Typer) -> None:
                 + f"; watch's last exit code {code}",
                 highlight=False,
             )
-
-
-def _events(run_dir: Path) -> list[dict[str, object]]:
-    out = []
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
