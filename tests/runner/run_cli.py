@@ -6,12 +6,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.toml")
+SHARED_HOME = Path(tempfile.mkdtemp(prefix="dflash-test-home-"))
+"""One $HOME for every job these tests launch in a pytest process: the managed compile caches live
+in $HOME/.cache/dflashctl/compile/<key>, so only the first job compiles cold (tens of seconds on
+2 cores) and the rest hit, as a user's second run would."""
 LONG = [
     "--set",
     "train.total_steps=100000",
@@ -27,13 +32,13 @@ class Cli:
 
     def __init__(self, tmp: Path, **env: str) -> None:
         self.runs = tmp / "runs"
-        (tmp / "home").mkdir(exist_ok=True)
+        self.home = SHARED_HOME
         self.env = {
             **os.environ,
             "DFLASH_STATE_DIR": str(tmp / "state"),
             "DFLASH_CACHE_STORE": str(tmp / "store"),
             "XDG_CACHE_HOME": str(tmp / "xdg-cache"),
-            "HOME": str(tmp / "home"),  # managed compile caches land in $HOME/.cache/dflashctl
+            "HOME": str(self.home),
             "COLUMNS": "400",  # rich wraps messages at the terminal width; keep each on one line
             **env,
         }

@@ -20,7 +20,7 @@ def test_warm_restore_then_reuse(tmp_path: Path) -> None:
     runner = json.loads((run_dir / "run.json").read_text())["runner"]
     assert runner["cache_action"] == "warm" and runner["cache_key"]
     cache_dir = Path(runner["cache_dir"])
-    assert cache_dir == tmp_path / "home" / ".cache" / "dflashctl" / "compile" / runner["cache_key"]
+    assert cache_dir == cli.home / ".cache" / "dflashctl" / "compile" / runner["cache_key"]
     assert json.loads((cache_dir / "artifact.json").read_text())["key"] == runner["cache_key"]
     assert runner["env"]["DFLASH_EXPECT_WARM_CACHE"] == "1"
     assert events(run_dir, "cache_miss") == [], "the restored artifact did not cover the job's compile"

@@ -40,7 +40,7 @@ def test_run_ps_logs_stop_in_tmux(tmp_path: Path) -> None:
     assert runner["backend"] == "tmux" and runner["argv"]["0"] == plan["hosts"][0]["argv"]
     assert (
         runner["cache_key"]
-        and runner["cache_dir"] == f"{tmp_path}/home/.cache/dflashctl/compile/{runner['cache_key']}"
+        and runner["cache_dir"] == f"{cli.home}/.cache/dflashctl/compile/{runner['cache_key']}"
     )
     assert manifest["config"]["run"]["name"] == "tm", "the job filled in its own fields"
     assert manifest["command_lines"], "the job recorded its command line"
