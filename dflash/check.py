@@ -1,7 +1,7 @@
 """Check a job config before anything starts: every error at once, each naming its config key.
 
     python -m dflash.check CONFIG.toml [--set key=value ...] [--nnodes N] [--node-rank I]
-        [--rdzv-endpoint HOST:PORT] [--json]
+        [--rdzv-endpoint HOST:PORT] [--run-dir DIR] [--json]
 
 Run in the job's own environment (the host, container or venv that will run it), since devices,
 paths and /dev/shm are this machine's. Loads no weights and no data: config.json and file names
@@ -11,7 +11,9 @@ too). With --json the last stdout line is one object, for dflashctl to parse:
      "config": the resolved config, or null when the config has errors,
      "shm_bytes": bytes of /dev/shm the host's hidden-state queue maps, or null when unknown,
      "entry": "dflash.launch"}
-`key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments).
+`key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments,
+--run-dir). Config errors are the job's own validation (dflash.config: each field's Range and the
+rules between fields), all of them instead of the first; warnings are legal but likely unintended.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from dflash.config import (
     add_config_args,
     apply_overrides,
     collect_config,
+    config_warnings,
     read_config_file,
 )
 from dflash.errors import ConfigError, DFlashError
+from dflash.rundir import unusable_reason
 
 ENTRY = "dflash.launch"
 """The entry point the checked config is for: shm_bytes is that launcher's hidden-state queue."""
@@ -73,10 +77,15 @@ def check(
     nnodes: int | None = None,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    run_dir: str | None = None,
 ) -> Report:
     from dflash.launch import host_problems
 
     report = Report()
+    if run_dir is not None:
+        reason = unusable_reason(run_dir)
+        if reason is not None:
+            report.error("", f"--run-dir {run_dir} cannot be used: {reason}; pass another --run-dir")
     try:
         data = read_config_file(config)
     except ConfigError as e:
@@ -94,6 +103,8 @@ def check(
         return report
     if not report.errors:
         report.config = cfg.to_dict()
+    for w in config_warnings(cfg):
+        report.warn(w.key, w.problem)
     for key, message in host_problems(cfg, nnodes, node_rank, rdzv_endpoint)[2]:
         report.error(key, message)
     _check_devices(cfg, report)
@@ -180,13 +191,9 @@ def _cuda_index(name: str) -> int | None:
 
 def _check_writable(key: str, path: str, report: Report) -> None:
     """The directory exists and is writable, or its nearest existing parent lets it be created."""
-    p = Path(path).absolute()
-    existing = next(a for a in (p, *p.parents) if a.exists())
-    if not existing.is_dir():
-        report.error(key, f"{path}: {existing} is not a directory; choose another path")
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == p else f"cannot be created: {existing} is not writable"
-        report.error(key, f"{path} {what} by this user; choose another path or fix its permissions")
+    reason = unusable_reason(path)
+    if reason is not None:
+        report.error(key, f"{path}: {reason}; choose another path or fix its permissions")
 
 
 def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
@@ -220,7 +227,7 @@ def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
 
 def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:
     """Bytes of /dev/shm the launcher's hidden-state queue maps, exactly as it will size it."""
-    from dflash.launch import slot_bytes
+    from dflash.launch import slot_bytes, slot_problem
     from dflash.pipeline.transport import segment_bytes, segment_path
     from dflash.resolve import target_layer_ids
     from dflash.session import torch_dtype
@@ -231,6 +238,9 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
         report.config_error(e)
         return None
     elem = torch_dtype(cfg.target.dtype).itemsize
+    problem = slot_problem(cfg, features, elem)
+    if problem is not None:
+        report.error("pipeline.slot_mb", problem)
     need = segment_bytes(cfg.pipeline.queue_depth, slot_bytes(cfg, features, elem))
     shm = segment_path("dflash-check").parent
     fs = os.statvfs(shm)
@@ -261,6 +271,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, help="hosts in the drafter group (overrides pipeline.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
+    p.add_argument(
+        "--run-dir", help="the run directory the job will use: checked that it can be made and written"
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
     return p.parse_args(argv)
 
@@ -290,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             rdzv_endpoint=args.rdzv_endpoint,
+            run_dir=args.run_dir,
         )
         config = args.config
     except _UsageError as e:

@@ -1,48 +1,166 @@
 """Job configuration: nested dataclasses loaded from TOML, with `--set key=value` overrides.
 
 Precedence, spelled out once: `--set` overrides > the TOML file > the defaults below.
-Unknown keys and bad values raise ConfigError naming the dotted key (load_config, the job: the first
-one); collect_config gathers them all instead (dflash.check, before a job starts).
+
+Validation, also once, before any model or data is loaded:
+- every numeric field declares its allowed values where it is declared (`Annotated[int, Range(ge=1)]`);
+  each section's __post_init__ checks them (check_fields), so a section built any way (TOML,
+  --set, dataclasses.replace) is checked. Floats must be finite everywhere: NaN fails every
+  comparison, so a bare `x <= 0` check lets it through.
+- the rules between fields (config_problems) run once on the built JobConfig (load_config, validate).
+Unknown keys and bad values raise ConfigError naming the dotted key and the allowed values
+(load_config, the job: the first one); collect_config gathers them all instead (dflash.check).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import tomllib
 
 from dflash.errors import ConfigError
 
+_INT_MAX = 2**63 - 1
+"""Every integer field fits in 64 bits (torch, numpy and the C libraries below them need it)."""
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric field allows, declared with the field: `seed: Annotated[int, Range(ge=0)]`
+    (for a list, on its items: `list[Annotated[float, Range(ge=0, lt=1)]]`). Floats must also be
+    finite; integers must fit in 64 bits. A special value (0 = derived, -1 = from the tokenizer)
+    lies inside the range and is documented in the field's docstring."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def allows(self, x: float) -> bool:
+        return (
+            (self.ge is None or x >= self.ge)
+            and (self.gt is None or x > self.gt)
+            and (self.le is None or x <= self.le)
+            and (self.lt is None or x < self.lt)
+        )
+
+    def describe(self, kind: type) -> str:
+        """What the field must be, e.g. "an integer >= 1", "a number in [0, 1] (finite)"."""
+        noun = "an integer" if kind is int else "a number"
+        lo = self.ge if self.ge is not None else self.gt
+        hi = self.le if self.le is not None else self.lt
+        if lo == 0 and self.gt is not None and hi is None:
+            text = f"a positive {noun.split()[-1]}"
+        elif hi is None and lo is not None:
+            text = f"{noun} {'>=' if self.ge is not None else '>'} {_num(lo)}"
+        elif lo is None and hi is not None:
+            text = f"{noun} {'<=' if self.le is not None else '<'} {_num(hi)}"
+        elif lo is not None and hi is not None:
+            left, right = "[" if self.ge is not None else "(", "]" if self.le is not None else ")"
+            text = f"{noun} in {left}{_num(lo)}, {_num(hi)}{right}"
+        else:
+            text = noun
+        return text + (" (finite)" if kind is float else "")
+
+
+def _unwrap(hint: Any) -> tuple[Any, Range | None]:
+    """(the type, its Range) of a possibly Annotated hint."""
+    if typing.get_origin(hint) is Annotated:
+        base, *extras = typing.get_args(hint)
+        return base, next((x for x in extras if isinstance(x, Range)), None)
+    return hint, None
+
+
+@functools.cache
+def numeric_fields(cls: type) -> dict[str, tuple[type, Range | None, bool]]:
+    """{field: (int or float, its Range, whether the field is a list of them)} of a config section."""
+    out: dict[str, tuple[type, Range | None, bool]] = {}
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        base, rng = _unwrap(hints[f.name])
+        is_list = typing.get_origin(base) is list
+        if is_list:
+            base, rng = _unwrap(typing.get_args(base)[0])
+        if base in (int, float):
+            out[f.name] = (base, rng, is_list)
+    return out
+
+
+def value_problem(value: Any, kind: type, rng: Range | None) -> str | None:
+    """Why `value` is not a valid `kind` (int or float) within `rng`; None when it is."""
+    want = (rng or Range()).describe(kind)
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return f"must be {want}, got {_show(value)}"
+    if kind is float and not math.isfinite(value):
+        return f"must be {want}, got {value}"
+    if kind is int and not -_INT_MAX - 1 <= value <= _INT_MAX:
+        return f"must be {want} that fits in 64 bits, got {_show(value)}"
+    if rng is not None and not rng.allows(value):
+        return f"must be {want}, got {_show(value)}"
+    return None
+
+
+def check_fields(section: Any) -> None:
+    """Every numeric field of a config section against its declared Range; ConfigError names the key."""
+    for name, (kind, rng, is_list) in numeric_fields(type(section)).items():
+        value = getattr(section, name)
+        for i, v in enumerate(value) if is_list else [(None, value)]:
+            problem = value_problem(v, kind, rng)
+            if problem is not None:
+                raise ConfigError(
+                    f"{section.SECTION}.{name}", problem if i is None else f"entry {i} {problem}"
+                )
+
+
+Positive = Range(gt=0)
+AtLeast0 = Range(ge=0)
+AtLeast1 = Range(ge=1)
+Fraction = Range(ge=0, le=1)
+
+SEED_MAX = 2**32 - 1
+
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
+    SECTION: ClassVar[str] = "run"
     name: str = "dflash"
     """Run name; the run id is `<name>-<timestamp>` unless --run-dir is given."""
-    seed: int = 0
-    """Seed for model init, anchor sampling and data order."""
+    seed: Annotated[int, Range(ge=0, le=SEED_MAX)] = 0
+    """Seed for model init, anchor sampling and data order, in [0, 2**32 - 1]: the range every RNG
+    the job seeds (torch, numpy, the anchor generator at seed * 1000 + rank) accepts."""
     runs_root: str = "runs"
     """Directory under which run directories are created."""
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
-    status_interval_s: float = 10.0
+    status_interval_s: Annotated[float, Positive] = 10.0
     """Seconds between status lines / metrics.jsonl records."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError("run.device", f"must be cpu, cuda or auto, got {self.device!r}")
-        if self.status_interval_s <= 0:
-            raise ConfigError("run.status_interval_s", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class TargetConfig:
+    SECTION: ClassVar[str] = "target"
     path: str = ""
     """Local Hugging Face causal-LM directory (safetensors). `tiny` builds a tiny random Qwen3
     in the run directory (the CPU demo and tests) and loads it through the same path."""
@@ -50,12 +168,15 @@ class TargetConfig:
     """Weights dtype: bfloat16 | float16 | float32."""
     compile: bool = False
     """torch.compile each decoder layer of the target (regional; one graph per length bucket)."""
-    tiny_layers: int = 8
+    tiny_layers: Annotated[int, AtLeast1] = 8
     """Layers of the `tiny` target."""
-    tiny_hidden: int = 64
-    """Hidden size of the `tiny` target."""
+    tiny_hidden: Annotated[int, Range(ge=16)] = 64
+    """Hidden size of the `tiny` target: a multiple of 16."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if self.tiny_hidden % 16:
+            raise ConfigError("target.tiny_hidden", f"must be a multiple of 16, got {self.tiny_hidden}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError("target.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
         # Required values are checked last: collect_config resets a bad key to its default and
@@ -68,43 +189,39 @@ class TargetConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DrafterConfig:
-    num_layers: int = 5
+    SECTION: ClassVar[str] = "drafter"
+    num_layers: Annotated[int, AtLeast1] = 5
     """Drafter decoder layers."""
-    block_size: int = 16
+    block_size: Annotated[int, Range(ge=2)] = 16
     """Tokens proposed per pass: the anchor token followed by block_size-1 mask tokens."""
-    target_layer_ids: list[int] = field(default_factory=list)
+    target_layer_ids: list[Annotated[int, AtLeast0]] = field(default_factory=list)
     """Target layers whose hidden states are captured; empty = k ids evenly spaced in [1, n-3]."""
-    num_target_layers: int = 5
+    num_target_layers: Annotated[int, AtLeast1] = 5
     """k, used when target_layer_ids is empty."""
-    mask_token_id: int = -1
+    mask_token_id: Annotated[int, Range(ge=-1)] = -1
     """Mask token id; -1 = take it from the tokenizer (an error if it has none)."""
     layer_types: list[str] = field(default_factory=list)
     """sliding_attention | full_attention per layer; empty = all sliding but the last."""
-    sliding_window: int = 2048
+    sliding_window: Annotated[int, AtLeast1] = 2048
     """Window (tokens of context before the anchor) of sliding layers."""
     sliding_block_causal: bool = False
     """Sliding layers attend causally inside each block (full layers stay bidirectional). Off: every
     layer is bidirectional inside a block, and config.json says `is_causal: false`. On: the
     convention engines assume when a config has no `is_causal` (SGLang always serves sliding
     layers this way), so the drafter is served as it was trained everywhere."""
-    hidden_size: int = 0
+    hidden_size: Annotated[int, AtLeast0] = 0
     """0 = the target's. Likewise for the sizes below."""
-    intermediate_size: int = 0
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    noise_std: float = 0.0
+    intermediate_size: Annotated[int, AtLeast0] = 0
+    num_attention_heads: Annotated[int, AtLeast0] = 0
+    num_key_value_heads: Annotated[int, AtLeast0] = 0
+    head_dim: Annotated[int, AtLeast0] = 0
+    noise_std: Annotated[float, AtLeast0] = 0.0
     """Peak std of Gaussian noise added to the fused target features (0 = off)."""
     noise_schedule: str = "cosine"
     """constant | linear | cosine decay of the noise std over training."""
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ConfigError("drafter.num_layers", "must be >= 1")
-        if self.block_size < 2:
-            raise ConfigError("drafter.block_size", "must be >= 2")
-        if self.num_target_layers < 1:
-            raise ConfigError("drafter.num_target_layers", "must be >= 1")
+        check_fields(self)
         for t in self.layer_types:
             if t not in ("sliding_attention", "full_attention"):
                 raise ConfigError(
@@ -114,144 +231,128 @@ class DrafterConfig:
             raise ConfigError(
                 "drafter.layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
-        if self.sliding_window < 1:
-            raise ConfigError("drafter.sliding_window", "must be >= 1")
-        if self.noise_std < 0:
-            raise ConfigError("drafter.noise_std", "must be >= 0")
         if self.noise_schedule not in ("constant", "linear", "cosine"):
             raise ConfigError("drafter.noise_schedule", "must be constant, linear or cosine")
 
 
 @dataclass(kw_only=True, slots=True)
 class AttentionConfig:
+    SECTION: ClassVar[str] = "attention"
     backend: str = "auto"
     """flex | sdpa | auto (flex on GPU, sdpa on CPU: flex has no backward on CPU)."""
     compile: bool = True
     """torch.compile the attention kernel (flex) and create_block_mask."""
     strict_kernels: str = "auto"
     """true | false | auto (true on GPU): stop the worker on a degraded kernel."""
-    sdpa_chunk_blocks: int = 64
+    sdpa_chunk_blocks: Annotated[int, AtLeast1] = 64
     """SDPA backend: blocks per chunk for the full-attention layer."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.backend not in ("flex", "sdpa", "auto"):
             raise ConfigError("attention.backend", f"must be flex, sdpa or auto, got {self.backend!r}")
         if str(self.strict_kernels) not in ("true", "false", "auto", "True", "False"):
             raise ConfigError("attention.strict_kernels", "must be true, false or auto")
-        if self.sdpa_chunk_blocks < 1:
-            raise ConfigError("attention.sdpa_chunk_blocks", "must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    SECTION: ClassVar[str] = "data"
     path: str = ""
     """JSONL file with `text` or chat `messages` records; `demo` = the built-in demo corpus."""
     tokenizer: str = "target"
     """target (AutoTokenizer from the target directory) | byte (built-in byte-level)."""
-    max_seq_len: int = 4096
+    max_seq_len: Annotated[int, Range(ge=8)] = 4096
     """Longer sequences are truncated."""
-    min_seq_len: int = 32
-    """Shorter sequences are skipped (counted)."""
+    min_seq_len: Annotated[int, AtLeast1] = 32
+    """Shorter sequences are skipped (counted); at most max_seq_len."""
     cache_dir: str = ""
     """Tokenized-data cache; empty = <runs_root>/.tokcache."""
-    bucket_multiple: int = 256
+    bucket_multiple: Annotated[int, AtLeast1] = 256
     """Sequence lengths are padded up to a multiple of this: bounds padding and distinct shapes."""
     shuffle: bool = True
+    max_bad_fraction: Annotated[float, Fraction] = 0.5
+    """Stop with an error when more than this fraction of the records read are bad (not JSON, not a
+    text/messages object, wrong types, not encodable; records skipped only for their length do not
+    count). Judged after every 1024 lines once 1000 records are read, and at the end of the file.
+    0 = any bad record stops the job; 1 = bad records are only skipped and counted."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.tokenizer not in ("target", "byte"):
             raise ConfigError("data.tokenizer", f"must be target or byte, got {self.tokenizer!r}")
-        if self.max_seq_len < 8:
-            raise ConfigError("data.max_seq_len", "must be >= 8")
-        if self.bucket_multiple < 1:
-            raise ConfigError("data.bucket_multiple", "must be >= 1")
         if not self.path:  # last, as in TargetConfig
             raise ConfigError("data.path", "is required: a JSONL file, or `demo`")
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    total_steps: int = 1000
+    SECTION: ClassVar[str] = "train"
+    total_steps: Annotated[int, AtLeast1] = 1000
     """Optimizer steps."""
-    lr: float = 6e-4
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    """Cosine decays to lr * min_lr_ratio."""
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    token_budget: int = 49152
-    """Max sequence tokens (padded) per drafter batch."""
-    max_batch_size: int = 64
-    num_anchors: int = 512
+    lr: Annotated[float, Positive] = 6e-4
+    warmup_steps: Annotated[int, AtLeast0] = 100
+    """Linear warmup steps (0 = none). More than total_steps is allowed (a smoke run that ends while
+    warming up): dflash.check warns about it."""
+    min_lr_ratio: Annotated[float, Fraction] = 0.1
+    """Cosine decays to lr * min_lr_ratio (0 = down to zero)."""
+    weight_decay: Annotated[float, AtLeast0] = 0.0
+    """AdamW's decoupled weight decay (0 = off); lr * weight_decay must stay below 1."""
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: Annotated[float, Positive] = 1.0
+    token_budget: Annotated[int, AtLeast1] = 49152
+    """Max sequence tokens (padded) per drafter batch: at least data.max_seq_len rounded up to
+    data.bucket_multiple, so that the longest sequence fits."""
+    max_batch_size: Annotated[int, AtLeast1] = 64
+    num_anchors: Annotated[int, AtLeast1] = 512
     """Anchors sampled per sequence among loss positions."""
-    gamma: float = 7.0
+    gamma: Annotated[float, Positive] = 7.0
     """Loss weight of block position k is exp(-(k-1)/gamma)."""
-    checkpoint_every: int = 500
-    keep_last: int = 3
+    checkpoint_every: Annotated[int, AtLeast1] = 500
+    keep_last: Annotated[int, AtLeast1] = 3
     """Checkpoints kept; older ones are deleted after a new one is complete."""
-    epochs: float = 1.0
+    epochs: Annotated[float, Positive] = 1.0
     """Used for the ETA/epoch estimate only; the run stops at total_steps."""
-    loss_chunk_tokens: int = 8192
+    loss_chunk_tokens: Annotated[int, AtLeast1] = 8192
     """Block tokens per LM-head/cross-entropy chunk (bounds the logits memory)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "total_steps",
-            "token_budget",
-            "max_batch_size",
-            "num_anchors",
-            "checkpoint_every",
-            "keep_last",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}", "must be >= 1")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError("train.lr", "must be a positive number")
-        if self.warmup_steps < 0:
-            raise ConfigError("train.warmup_steps", "must be >= 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError("train.betas", "must be two numbers in [0, 1)")
-        if self.gamma <= 0:
-            raise ConfigError("train.gamma", "must be > 0")
-        if self.grad_clip <= 0:
-            raise ConfigError("train.grad_clip", "must be > 0")
+        check_fields(self)
+        if len(self.betas) != 2:
+            raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 
 
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
-    targets: int = 1
+    SECTION: ClassVar[str] = "pipeline"
+    targets: Annotated[int, AtLeast1] = 1
     """Target worker processes (T)."""
-    drafters: int = 1
+    drafters: Annotated[int, AtLeast1] = 1
     """Drafter worker processes (D), one data-parallel group."""
     target_devices: list[str] = field(default_factory=list)
     """Device per target worker, e.g. ["cuda:0", ...]; empty = derived from run.device."""
     drafter_devices: list[str] = field(default_factory=list)
     """Device per local drafter worker; empty = derived."""
-    prefetch_depth: int = 50
+    prefetch_depth: Annotated[int, AtLeast1] = 50
     """Data batches each target prefetches (q_pre)."""
-    queue_depth: int = 8
+    queue_depth: Annotated[int, AtLeast1] = 8
     """Hidden-state batches in the shared transport (q_hs capacity)."""
-    max_restarts: int = 3
-    """Drafter-group restarts (torchrun --max-restarts)."""
+    max_restarts: Annotated[int, AtLeast0] = 3
+    """Drafter-group restarts (torchrun --max-restarts); 0 = none."""
     restart_targets: bool = False
     """Restart a dead target worker instead of stopping the job."""
-    nnodes: int = 1
+    nnodes: Annotated[int, AtLeast1] = 1
     rdzv_endpoint: str = ""
     """HOST:PORT of host 0's rendezvous, reachable from every host; required when nnodes > 1."""
     rdzv_id: str = ""
     """Empty = run.name: identical on every host (run directories are per host)."""
-    rdzv_timeout_s: int = 600
+    rdzv_timeout_s: Annotated[int, AtLeast1] = 600
     """How long the drafter group waits for every host to join before it fails with an error."""
-    slot_mb: int = 0
+    slot_mb: Annotated[int, AtLeast0] = 0
     """Shared-memory slot size in MiB; 0 = derived from the batch shape."""
 
     def __post_init__(self) -> None:
-        for name in ("targets", "drafters", "prefetch_depth", "queue_depth", "nnodes", "rdzv_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"pipeline.{name}", "must be >= 1")
-        if self.max_restarts < 0:
-            raise ConfigError("pipeline.max_restarts", "must be >= 0")
+        check_fields(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -268,11 +369,72 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
+def config_problems(cfg: JobConfig) -> list[ConfigError]:
+    """The rules between fields (each field is already within its own Range), all of them: the
+    job refuses the first, dflash.check reports every one."""
+    return [problem for problem, _keys in _cross_field_rules(cfg)]
+
+
+def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...]]]:
+    """(problem, the keys it involves) of every rule between fields that cfg breaks."""
+    d, t = cfg.data, cfg.train
+    problems = []
+    if d.min_seq_len > d.max_seq_len:
+        problem = ConfigError(
+            "data.min_seq_len",
+            f"({d.min_seq_len}) is above data.max_seq_len ({d.max_seq_len}): every sequence long "
+            "enough to keep would be truncated below it; lower data.min_seq_len",
+        )
+        problems.append((problem, ("data.min_seq_len", "data.max_seq_len")))
+    longest = -(-d.max_seq_len // d.bucket_multiple) * d.bucket_multiple
+    if t.token_budget < longest:
+        problem = ConfigError(
+            "train.token_budget",
+            f"({t.token_budget}) is smaller than the longest padded sequence, data.max_seq_len "
+            f"({d.max_seq_len}) rounded up to data.bucket_multiple ({d.bucket_multiple}) = {longest}; "
+            "raise train.token_budget or lower data.max_seq_len",
+        )
+        problems.append((problem, ("train.token_budget", "data.max_seq_len", "data.bucket_multiple")))
+    if t.lr * t.weight_decay >= 1:
+        problem = ConfigError(
+            "train.weight_decay",
+            f"({t.weight_decay}) times train.lr ({t.lr}) is {t.lr * t.weight_decay:.3g}, at least 1: "
+            "AdamW would zero or flip the sign of every weight each step; lower train.weight_decay",
+        )
+        problems.append((problem, ("train.weight_decay", "train.lr")))
+    return problems
+
+
+def config_warnings(cfg: JobConfig) -> list[ConfigError]:
+    """Legal but probably unintended settings: dflash.check reports them, the job runs."""
+    t = cfg.train
+    warnings = []
+    if t.warmup_steps >= t.total_steps:
+        warnings.append(
+            ConfigError(
+                "train.warmup_steps",
+                f"({t.warmup_steps}) is not below train.total_steps ({t.total_steps}): the run ends "
+                f"during warmup, at {t.total_steps / t.warmup_steps:.0%} of train.lr",
+            )
+        )
+    return warnings
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """The job's side of config_problems: the first problem is raised."""
+    problems = config_problems(cfg)
+    if problems:
+        raise problems[0]
+    return cfg
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """A TOML / --set value as the field's type (ranges are check_fields' job, in __post_init__)."""
+    hint, rng = _unwrap(hint)
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
@@ -281,8 +443,14 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
-            raise ConfigError(key, f"must be a list, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+            raise ConfigError(key, f"must be a list, got {_show(value)}")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_coerce(key, v, item))
+            except ConfigError as e:  # the list is the key (what --set and collect_config address)
+                raise ConfigError(key, f"entry {i} {e.problem}") from None
+        return out
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
@@ -291,20 +459,25 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(key, f"must be true or false, got {value!r}")
+        raise ConfigError(key, f"must be true or false, got {_show(value)}")
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"must be an integer, got {value!r}")
+            raise ConfigError(key, f"must be {(rng or Range()).describe(int)}, got {_show(value)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, f"must be a number, got {value!r}")
-        return float(value)
+            raise ConfigError(key, f"must be {(rng or Range()).describe(float)}, got {_show(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float range
+            raise ConfigError(
+                key, f"must be {(rng or Range()).describe(float)}, got {_show(value)}"
+            ) from None
     if hint is str:
         if isinstance(value, bool):
             return "true" if value else "false"
         if not isinstance(value, (str, int, float)):
-            raise ConfigError(key, f"must be a string, got {value!r}")
+            raise ConfigError(key, f"must be a string, got {_show(value)}")
         return str(value)
     return value
 
@@ -335,13 +508,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 def _parse_value(text: str) -> Any:
     """A --set value: TOML/JSON literal when it parses as one, else the raw string."""
+    # ValueError: an integer past Python's int-string digit limit; RecursionError: absurd nesting.
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError):
         pass
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -365,9 +539,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(str(p), "config file not found; pass a TOML file such as configs/demo-cpu.toml")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(str(p), f"is not valid TOML: {e}") from e
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot be read: {e.strerror or e}") from None
+    # ValueError: not UTF-8, or an integer past the digit limit; RecursionError: absurd nesting.
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(str(p), f"is not valid TOML: {e}") from None
 
 
 def load_config(
@@ -378,16 +555,21 @@ def load_config(
     if path is not None:
         data = read_config_file(path)
     data = apply_overrides(data, overrides or [])
-    cfg = _build(JobConfig, data)
-    return cfg
+    return validate(_build(JobConfig, data))
 
 
 def collect_config(data: dict[str, Any]) -> tuple[JobConfig | None, list[ConfigError]]:
     """Every error of a config at once, for dflash.check (load_config stops at the first): a bad or
     unknown key is recorded and left at its default, and each section is built again until it
-    builds. The config is None when a section cannot be built at all (a required value missing)."""
+    builds; then every config_problems rule is reported. The config is None when a section cannot
+    be built at all (a required value missing)."""
     errors: list[ConfigError] = []
-    return _collect(JobConfig, data, "", errors), errors
+    cfg = _collect(JobConfig, data, "", errors)
+    if cfg is not None:
+        # A key already reported was reset to its default: rules about it would judge the default.
+        reported = {e.key for e in errors}
+        errors.extend(p for p, keys in _cross_field_rules(cfg) if not reported.intersection(keys))
+    return cfg, errors
 
 
 def _collect(cls: type, data: dict[str, Any], prefix: str, errors: list[ConfigError]) -> Any:
@@ -427,7 +609,7 @@ def _collect(cls: type, data: dict[str, Any], prefix: str, errors: list[ConfigEr
 
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:
-    return _build(JobConfig, json.loads(json.dumps(data)))
+    return validate(_build(JobConfig, json.loads(json.dumps(data))))
 
 
 def add_config_args(

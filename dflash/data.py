@@ -1,7 +1,11 @@
 """Training data: JSONL records -> token ids + loss masks (cached on disk) -> token-budget batches.
 
 Records are `{"text": str}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}` (loss on
-assistant content only). Bad records are skipped, counted by reason and logged with file:line.
+assistant content only). A record that fails anywhere on its way to token ids (not UTF-8, not JSON,
+an integer past Python's digit limit, nesting past the recursion limit, wrong types, text the
+tokenizer rejects such as a lone surrogate) is skipped, counted by reason and logged with file:line;
+records skipped for their length only are counted too. A file of mostly bad records stops the job
+(data.max_bad_fraction): it is the wrong file, or a broken export.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import torch
 
 from dflash.config import DataConfig
 from dflash.errors import DFlashError
-from dflash.rundir import atomic_write_bytes
+from dflash.rundir import atomic_write_bytes, unusable_reason
 from dflash.tokenizer import RecordError, Tokenizer
 
 CACHE_FORMAT = "tokcache-v1"
 _LOGGED_PER_REASON = 20  # individual file:line messages per reason; the rest only counted
 _CHUNK_LINES = 1024  # lines per batched tokenizer call
+_JUDGE_AFTER = 1000  # records read before the bad fraction is judged mid-file (and at the end, always)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +44,11 @@ class TokenizedDataset:
     """Sequence i is tokens[offsets[i]:offsets[i+1]] (int64, n+1 entries)."""
     pad_token_id: int
     skipped: dict[str, int] = field(default_factory=dict)
+    """Records skipped, by reason (bad ones and those skipped for their length)."""
+    records: int = 0
+    """Records read: the file's non-blank lines."""
+    bad: int = 0
+    """Skipped records that are broken (not those skipped for their length): data.max_bad_fraction."""
     truncated: int = 0
     cache_hit: bool = False
     cache_path: Path | None = None
@@ -58,6 +68,31 @@ class TokenizedDataset:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[a:b], self.loss_mask[a:b]
 
+    def summary(self) -> dict[str, Any]:
+        """The counts the `started` (and `launched`, `worker_ready`) events carry as `data`."""
+        return {
+            "records": self.records,
+            "sequences": len(self),
+            "tokens": self.num_tokens,
+            "bad": self.bad,
+            "skipped": dict(sorted(self.skipped.items())),
+            "truncated": self.truncated,
+            "cache_hit": self.cache_hit,
+        }
+
+
+class _TooShort(RecordError):
+    """A well-formed record that the length settings leave nothing of: skipped, but not bad."""
+
+
+def _unicode_problem(text: str) -> str | None:
+    """A lone surrogate (JSON allows the escape, "\\ud800"; UTF-8 and tokenizers do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
 
 def _parse_record(raw: bytes) -> str | list[Any]:
     """A record's `text` string or its `messages` list; RecordError names what is wrong."""
@@ -69,11 +104,18 @@ def _parse_record(raw: bytes) -> str | list[Any]:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         raise RecordError(f"bad JSON ({e.msg})") from e
+    except RecursionError as e:
+        raise RecordError("bad JSON (nested deeper than Python's recursion limit)") from e
+    except ValueError as e:  # an integer past Python's int-string digit limit, and the like
+        raise RecordError(f"bad JSON ({str(e).split(':')[0]})") from e
     if not isinstance(rec, dict):
         raise RecordError("not a JSON object")
     if "text" in rec:
         if not isinstance(rec["text"], str):
             raise RecordError("`text` is not a string")
+        problem = _unicode_problem(rec["text"])
+        if problem is not None:
+            raise RecordError(f"`text` is not valid Unicode ({problem})")
         return rec["text"]
     if "messages" in rec:
         if not isinstance(rec["messages"], list):
@@ -100,6 +142,34 @@ def _numbered_chunks(path: Path, size: int) -> Iterator[list[tuple[int, bytes]]]
         yield chunk
 
 
+def _one_record(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) for one record: any exception is that record's RecordError, except the job's own
+    errors (DFlashError: a tokenizer without a chat template is the config's fault, not a record's)."""
+    try:
+        return fn(*args)
+    except (RecordError, DFlashError):
+        raise
+    except Exception as e:
+        detail = " ".join(str(e).split())[:120]
+        raise RecordError(f"cannot be encoded ({type(e).__name__}: {detail})") from e
+
+
+def _encode_texts(texts: list[str], tok: Tokenizer) -> list[list[int] | RecordError]:
+    """One batched tokenizer call; when it fails, each text alone, so only the culprits are lost."""
+    if not texts:
+        return []
+    try:
+        return list(_one_record(tok.encode_batch, texts))
+    except RecordError:
+        out: list[list[int] | RecordError] = []
+        for text in texts:
+            try:
+                out.append(_one_record(tok.encode, text))
+            except RecordError as e:
+                out.append(e)
+        return out
+
+
 def _encode_chunk(
     chunk: list[tuple[int, bytes]], tok: Tokenizer
 ) -> list[tuple[int, tuple[list[int], list[bool]] | RecordError]]:
@@ -107,21 +177,20 @@ def _encode_chunk(
     parsed: list[tuple[int, str | list[Any] | RecordError]] = []
     for line_no, raw in chunk:
         try:
-            parsed.append((line_no, _parse_record(raw)))
+            parsed.append((line_no, _one_record(_parse_record, raw)))
         except RecordError as e:
             parsed.append((line_no, e))
-    texts = [p for _, p in parsed if isinstance(p, str)]
-    text_ids = iter(tok.encode_batch(texts) if texts else [])
+    text_ids = iter(_encode_texts([p for _, p in parsed if isinstance(p, str)], tok))
     out: list[tuple[int, tuple[list[int], list[bool]] | RecordError]] = []
     for line_no, p in parsed:
         if isinstance(p, RecordError):
             out.append((line_no, p))
         elif isinstance(p, str):
             ids = next(text_ids)
-            out.append((line_no, (ids, [True] * len(ids))))
+            out.append((line_no, ids if isinstance(ids, RecordError) else (ids, [True] * len(ids))))
         else:
             try:
-                out.append((line_no, tok.encode_chat(p)))
+                out.append((line_no, _one_record(tok.encode_chat, p)))
             except RecordError as e:
                 out.append((line_no, e))
     return out
@@ -129,12 +198,12 @@ def _encode_chunk(
 
 def _checked(ids: list[int], mask: list[bool], cfg: DataConfig) -> tuple[list[int], list[bool], bool]:
     if len(ids) < cfg.min_seq_len:
-        raise RecordError(f"too short ({len(ids)} tokens < data.min_seq_len {cfg.min_seq_len})")
+        raise _TooShort(f"too short ({len(ids)} tokens < data.min_seq_len {cfg.min_seq_len})")
     cut = len(ids) > cfg.max_seq_len
     if cut:
         ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
     if not any(mask):
-        raise RecordError("no loss tokens within data.max_seq_len")
+        raise _TooShort("no loss tokens within data.max_seq_len")
     return ids, mask, cut
 
 
@@ -145,9 +214,10 @@ def _tokenize_file(
     masks: list[np.ndarray] = []
     lengths: list[int] = []
     skipped: Counter[str] = Counter()
-    truncated = 0
+    truncated = records = bad = 0
     for chunk in _numbered_chunks(path, _CHUNK_LINES):
         for line_no, result in _encode_chunk(chunk, tok):
+            records += 1
             try:
                 if isinstance(result, RecordError):
                     raise result
@@ -155,6 +225,7 @@ def _tokenize_file(
             except RecordError as e:
                 reason = _reason_key(str(e))
                 skipped[reason] += 1
+                bad += not isinstance(e, _TooShort)
                 if skipped[reason] <= _LOGGED_PER_REASON:
                     log(f"data: skipped {path}:{line_no}: {e}")
                 elif skipped[reason] == _LOGGED_PER_REASON + 1:
@@ -164,6 +235,8 @@ def _tokenize_file(
             tokens.append(np.asarray(ids, dtype=np.int32))
             masks.append(np.asarray(mask, dtype=np.bool_))
             lengths.append(len(ids))
+        if records >= _JUDGE_AFTER:  # stop early: no need to read a huge wrong file to its end
+            _judge(path, cfg, records, bad, skipped, log, whole_file=False)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return TokenizedDataset(
@@ -172,8 +245,34 @@ def _tokenize_file(
         offsets=offsets,
         pad_token_id=tok.pad_token_id,
         skipped=dict(skipped),
+        records=records,
+        bad=bad,
         truncated=truncated,
     )
+
+
+def _judge(
+    path: Path,
+    cfg: DataConfig,
+    records: int,
+    bad: int,
+    skipped: dict[str, int],
+    log: Callable[[str], None],
+    *,
+    whole_file: bool,
+) -> None:
+    """Stop (DFlashError) when more than data.max_bad_fraction of the records read are bad."""
+    if not records or bad <= cfg.max_bad_fraction * records:
+        return
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items()))
+    message = (
+        f"data.path {path}: {bad} of {'its' if whole_file else 'the first'} {records} records are bad "
+        f"({100 * bad / records:.0f}%, more than data.max_bad_fraction={cfg.max_bad_fraction:g}; skipped: "
+        f"{reasons}). Each line must be a JSON object with a `text` string or a `messages` list (the data "
+        "log names file:line of each bad record): fix the file, or raise data.max_bad_fraction"
+    )
+    log(f"data: stopped: {message}")
+    raise DFlashError(message)
 
 
 def _file_sha256(path: Path) -> str:
@@ -196,7 +295,15 @@ def cache_key(path: Path, cfg: DataConfig, tok: Tokenizer) -> str:
 
 
 def _save_cache(ds: TokenizedDataset, target: Path) -> None:
-    meta = json.dumps({"skipped": ds.skipped, "truncated": ds.truncated, "pad_token_id": ds.pad_token_id})
+    meta = json.dumps(
+        {
+            "skipped": ds.skipped,
+            "records": ds.records,
+            "bad": ds.bad,
+            "truncated": ds.truncated,
+            "pad_token_id": ds.pad_token_id,
+        }
+    )
     buf = io.BytesIO()
     np.savez(buf, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets, meta=np.array(meta))
     atomic_write_bytes(target, buf.getvalue())
@@ -212,6 +319,8 @@ def _load_cache(target: Path) -> TokenizedDataset | None:
                 offsets=z["offsets"],
                 pad_token_id=int(meta["pad_token_id"]),
                 skipped={str(k): int(v) for k, v in meta["skipped"].items()},
+                records=int(meta["records"]),
+                bad=int(meta["bad"]),
                 truncated=int(meta["truncated"]),
             )
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
@@ -230,7 +339,10 @@ def load_dataset(
     if cfg.path == "demo":
         from dflash.demo import write_demo_corpus
 
-        path = write_demo_corpus(cache_root / "demo-corpus.jsonl")
+        try:
+            path = write_demo_corpus(cache_root / "demo-corpus.jsonl")
+        except OSError as e:
+            raise _cache_error(cache_root, e) from None
     else:
         path = Path(cfg.path)
     if not path.is_file():
@@ -249,8 +361,13 @@ def load_dataset(
     else:
         log(f"data: tokenized cache miss; tokenizing {path}")
         ds = _tokenize_file(path, cfg, tok, log)
-        if len(ds) > 0:
+    # A cache hit is judged too: data.max_bad_fraction may have been lowered since it was written.
+    _judge(path, cfg, ds.records, ds.bad, ds.skipped, log, whole_file=True)
+    if not ds.cache_hit and len(ds) > 0:
+        try:
             _save_cache(ds, cache_file)
+        except OSError as e:
+            raise _cache_error(cache_root, e) from None
     ds.cache_path = cache_file
     skipped = ", ".join(f"{reason}: {n}" for reason, n in sorted(ds.skipped.items())) or "none"
     if len(ds) == 0:
@@ -259,10 +376,17 @@ def load_dataset(
             f"with a `text` string or a `messages` list, at least data.min_seq_len={cfg.min_seq_len} tokens long"
         )
     log(
-        f"data: {len(ds)} sequences, {ds.num_tokens} tokens, {ds.truncated} truncated to {cfg.max_seq_len}, "
-        f"skipped: {skipped}"
+        f"data: {ds.records} records: {len(ds)} sequences, {ds.num_tokens} tokens, {ds.truncated} truncated "
+        f"to {cfg.max_seq_len}, {ds.bad} bad, skipped: {skipped}"
     )
     return ds
+
+
+def _cache_error(cache_root: Path, e: OSError) -> DFlashError:
+    return DFlashError(
+        f"tokenized-data cache {cache_root}: cannot write there: {unusable_reason(cache_root, e)}; set "
+        "data.cache_dir (default: <run.runs_root>/.tokcache) to a directory this user can write"
+    )
 
 
 @dataclass(kw_only=True, slots=True)

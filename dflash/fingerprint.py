@@ -177,9 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         if args.config:
             from dflash.config import load_config
+            from dflash.errors import DFlashError
 
-            cfg = load_config(args.config, args.sets)
-            fp = cache_fingerprint(cfg)
+            try:
+                cfg = load_config(args.config, args.sets)
+                fp = cache_fingerprint(cfg)
+            except DFlashError as e:  # bad input: one line, not a traceback
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(2)
             result = {"key": fingerprint_key(fp), "fingerprint": fp}
         else:
             import torch

@@ -28,7 +28,7 @@ from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
-from dflash.pipeline import worker_devices
+from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
@@ -68,6 +68,23 @@ def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
         rows = rows_for_length(cfg, length)
         largest = max(largest, rows * length * (features * elem_bytes + 8 + 1) + rows * 8)
     return largest + (1 << 16)  # headers and alignment
+
+
+def slot_problem(cfg: JobConfig, features: int, elem_bytes: int) -> str | None:
+    """Why a set pipeline.slot_mb cannot hold the largest batch (the targets would fail at their first
+    such batch, long after the start); None when it is 0 (derived) or large enough."""
+    if not cfg.pipeline.slot_mb:
+        return None
+    import dataclasses
+
+    derived = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, slot_mb=0))
+    need = slot_bytes(derived, features, elem_bytes)
+    if cfg.pipeline.slot_mb << 20 >= need:
+        return None
+    return (
+        f"pipeline.slot_mb ({cfg.pipeline.slot_mb} MiB) is smaller than the largest hidden-state batch "
+        f"this config makes ({need / 2**20:.1f} MiB); raise it, or set 0 to derive it"
+    )
 
 
 def kill_process_tree(pid: int) -> None:
@@ -162,6 +179,8 @@ class Supervisor:
     signals: int = 0
     metrics_offset: int = 0
     launched_at: float = field(default_factory=time.time)
+    data: dict[str, Any] = field(default_factory=dict)
+    """The data counts (TokenizedDataset.summary) of the data the targets read."""
 
     def worker_args(self) -> list[str]:
         sets = set_args(self.overrides)
@@ -229,7 +248,9 @@ class Supervisor:
         from dflash.resolve import worker_threads
 
         # The drafters' intra-op threads, from the one rule dflash.warm compiles the pipeline drafter under.
-        self.drafters.start(env={"OMP_NUM_THREADS": str(worker_threads("drafter"))})
+        self.drafters.start(
+            env={"OMP_NUM_THREADS": str(worker_threads("drafter")), DATA_SUMMARY_ENV: json.dumps(self.data)}
+        )
         self.run.event(
             "launched",
             node_rank=self.node_rank,
@@ -238,6 +259,7 @@ class Supervisor:
             target_devices=target_devs,
             drafter_group_pid=self.drafters.popen.pid if self.drafters.popen else None,
             commands={p.name: shlex.join(p.argv) for p in [*self.targets, self.drafters]},
+            data=self.data,
         )
 
     def echo_metrics(self) -> None:
@@ -410,16 +432,22 @@ def launch(args: argparse.Namespace) -> int:
         p = plan(cfg, args, nnodes, endpoint)
         print(json.dumps(p) if args.json else "\n".join(plan_lines(p)))
         return 0
+    worker_devices(cfg)  # refuses device lists that do not match the worker counts, before anything starts
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
     spec = resolve_drafter_spec(cfg, parts)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     elem = torch_dtype(cfg.target.dtype).itemsize
+    problem = slot_problem(cfg, features, elem)
+    if problem is not None:
+        raise DFlashError(problem)
     name = f"{name_for_run(run.root)}-n{args.node_rank}"
     queue = HiddenStateQueue.create(
         name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
     )
-    sup = Supervisor(cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint)
+    sup = Supervisor(
+        cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint, data=parts.dataset.summary()
+    )
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     # Every worker (targets, torchrun and its drafters) inherits this and stops itself if the

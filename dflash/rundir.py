@@ -9,6 +9,7 @@ one write() per record, so a reader never sees half a JSON object.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -131,6 +132,40 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+NAME_MAX = 255
+"""Bytes in one path component (file or directory name) on Linux filesystems."""
+
+
+def unusable_reason(path: str | Path, error: OSError | None = None) -> str | None:
+    """Why this process cannot create directory `path` (or write in it), in words; None when it can.
+    `error`: what creating it raised, which then gives the reason. Without one, nothing is created:
+    the nearest existing ancestor is probed with a temp dir removed at once (access() says yes to
+    root everywhere, also under /sys, where mkdir fails all the same)."""
+    p = Path(path).absolute()
+    long = next((part for part in p.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if long is not None:
+        shown = long if len(long) <= 24 else f"{long[:24]}..."
+        return f"the name {shown!r} is {len(os.fsencode(long))} bytes, longer than the {NAME_MAX} a name may have"
+    if error is not None and error.errno == errno.ENAMETOOLONG:
+        return f"the path is too long for this filesystem ({len(os.fsencode(str(p)))} bytes)"
+    for a in [*reversed(p.parents), p]:
+        if not os.path.lexists(a):
+            break
+        if not os.path.isdir(a):
+            return f"{a} is a file, not a directory"
+    if error is not None:
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"{error.filename or p} is not writable by this user ({error.strerror})"
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror or error}{where}"
+    existing = next(a for a in (p, *p.parents) if os.path.lexists(a))
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".dflash-probe-"))
+    except OSError as e:
+        return f"{existing} is not writable by this user ({e.strerror})"
+    return None
 
 
 _HELD_LOCKS: list[int] = []

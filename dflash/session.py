@@ -19,7 +19,7 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.errors import DFlashError
-from dflash.rundir import RUN_FORMAT, RunDir, format_status_line
+from dflash.rundir import RUN_FORMAT, RunDir, format_status_line, unusable_reason
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,27 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
     from dflash.compile_cache import cache_dir_from_env
 
     cache_dir_from_env()
+    given = run_dir is not None
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}")
-    run = RunDir(run_dir).create()
-    run.hold()
+    try:
+        run = RunDir(run_dir).create()
+        run.hold()
+        _write_manifest(cfg, run, argv)
+    except OSError as e:
+        fix = (
+            "pass another --run-dir (a directory this user can write; it is created when missing)"
+            if given
+            else "set run.runs_root to a directory this user can write, or pass --run-dir"
+        )
+        raise DFlashError(
+            f"run directory {run_dir} cannot be used: {unusable_reason(run_dir, e)}; {fix}"
+        ) from None
+    return run
+
+
+def _write_manifest(cfg: JobConfig, run: RunDir, argv: list[str]) -> None:
     commands = [{"t": time.time(), "host": socket.gethostname(), "argv": argv}]
     manifest = _existing_manifest(run)
     if "config" in manifest:  # the job wrote it at its first start: a resume
@@ -65,7 +81,6 @@ def open_run_dir(cfg: JobConfig, run_dir: str | None, argv: list[str]) -> RunDir
             "cache_artifact": os.environ.get("DFLASH_CACHE_ARTIFACT") or _restored_key(),
         }
     run.write_manifest(manifest)
-    return run
 
 
 def _existing_manifest(run: RunDir) -> dict[str, Any]:
@@ -105,10 +120,19 @@ def resolve_target_path(cfg: JobConfig) -> str:
     # Everything the weights depend on is in the name: jobs with other seeds never swap it out.
     name = f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}-s{cfg.run.seed}"
     path = Path(cfg.run.runs_root) / name
-    return str(
-        make_tiny_target(
+    try:
+        made = make_tiny_target(
             path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
         )
+    except OSError as e:
+        raise _runs_root_error(cfg, "build the tiny target", path, e) from None
+    return str(made)
+
+
+def _runs_root_error(cfg: JobConfig, what: str, path: Path, e: OSError) -> DFlashError:
+    return DFlashError(
+        f"run.runs_root {cfg.run.runs_root}: cannot {what} there: {unusable_reason(path, e)}; "
+        "set run.runs_root to a directory this user can write"
     )
 
 
@@ -119,7 +143,10 @@ def resolve_data_path(cfg: JobConfig) -> str:
 
     path = Path(cfg.run.runs_root) / ".demo" / "corpus.jsonl"
     if not path.exists():
-        write_demo_corpus(path)
+        try:
+            write_demo_corpus(path)
+        except OSError as e:
+            raise _runs_root_error(cfg, "write the demo corpus", path.parent, e) from None
     return str(path)
 
 
@@ -364,6 +391,7 @@ class Job:
             step=self.trainer.step,
             total_steps=cfg.train.total_steps,
             spec=self.drafter.spec.to_hf_config(),
+            data=parts.dataset.summary(),
         )
 
     def new_meter(self) -> Any:

@@ -47,6 +47,13 @@ def _check_messages(messages: Any) -> list[tuple[str, str]]:
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
             raise RecordError(f"messages[{i}] needs string `role` and `content`")
+        for name, text in (("role", role), ("content", content)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: JSON allows its escape, tokenizers do not
+                raise RecordError(
+                    f"messages[{i}].{name} is not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X})"
+                ) from None
         out.append((role, content))
     if not any(role == "assistant" and content for role, content in out):
         raise RecordError("no non-empty assistant turn to train on")

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dflash.config import JobConfig
 from dflash.errors import DFlashError
 
+DATA_SUMMARY_ENV = "DFLASH_DATA_SUMMARY"
+"""Set by the launcher for the drafter group: the data counts (TokenizedDataset.summary, JSON) of the
+data the targets read, for the drafter group's `started` event (the drafters read no data)."""
+
 
 def worker_devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
     """(target devices, local drafter devices) of one host: the config's lists, or by default targets

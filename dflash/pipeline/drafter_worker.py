@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import JobConfig, add_config_args, load_config
-from dflash.pipeline import worker_devices
+from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 
@@ -182,6 +182,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 resumed_from=step if step >= 0 else None,
                 reclaimed_batches=reclaimed,
                 backend=side.trainer.backend,
+                data=json.loads(os.environ.get(DATA_SUMMARY_ENV) or "null"),
             )
         trainer = side.trainer
         meter = Meter(total_steps=cfg.train.total_steps)

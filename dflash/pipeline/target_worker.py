@@ -123,7 +123,13 @@ def run_target(
         hs = HiddenStateQueue.attach(queue_name)
         pre = Prefetcher(cfg, batcher, cfg.pipeline.prefetch_depth, stop)
         pre.thread.start()
-        run.event("worker_ready", worker=f"target-{index}", device=str(device), layers=spec.target_layer_ids)
+        run.event(
+            "worker_ready",
+            worker=f"target-{index}",
+            device=str(device),
+            layers=spec.target_layer_ids,
+            data=parts.dataset.summary(),
+        )
         produced = 0
         while not stop.is_set():
             hb.set(q_pre=pre.q.qsize())

@@ -51,8 +51,9 @@ def test_bad_records_are_skipped_counted_and_logged(tmp_path: Path) -> None:
         ],
     )
     logs: list[str] = []
-    ds = load_dataset(_cfg(path), ByteTokenizer(), tmp_path / "cache", logs.append)
-    assert len(ds) == 3
+    # 6 of the 10 records are bad: more than the default data.max_bad_fraction (0.5) allows.
+    ds = load_dataset(_cfg(path, max_bad_fraction=0.9), ByteTokenizer(), tmp_path / "cache", logs.append)
+    assert len(ds) == 3 and (ds.records, ds.bad) == (10, 6)
     assert ds.truncated == 1 and ds.lengths.max() == 64
     assert ds.skipped == {
         "bad JSON": 1,
