@@ -1,7 +1,9 @@
-"""`dflashctl watch` on a real CPU job in tmux, with faults injected from the test: a SIGKILLed
-drafter (reported within 5 s; the job's group restarts it; watch sees the recovery), a SIGSTOPped
-one (reported hung within 30 s, turned into a dead one by watch), a drafter slowed by a stop/continue
-duty cycle (an ETA blow-up, and no kill), and a job whose group has no restarts left (relaunched)."""
+"""`dflashctl watch` on a real CPU job in tmux, with faults injected from the test, one after the
+other on one job (a job start costs a minute on 2 cores): a SIGKILLed drafter (reported within 5 s;
+the job's group restarts it; watch sees the recovery), a SIGSTOPped one (reported hung within 30 s,
+turned into a dead one by watch), a drafter slowed by a stop/continue duty cycle (an ETA blow-up,
+and no kill), and a last SIGKILL when the group has no restarts left (watch relaunches the job, which
+resumes from its checkpoint)."""
 
 from __future__ import annotations
 
@@ -83,9 +85,9 @@ def _stop_watch(watch: subprocess.Popen[str], log: Path) -> str:
     return log.read_text()
 
 
-def test_watch_kill_stop_and_slow_drafter(tmp_path: Path) -> None:
+def test_watch_kill_stop_slow_and_relaunch(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
-    run_id, run_dir = _launch(cli, "wf")
+    run_id, run_dir = _launch(cli, "wf", "pipeline.max_restarts=2", "train.checkpoint_every=10")
     log = tmp_path / "watch.log"
     # Steady-state detectors (ETA, throughput) ignore the first warmup_s of a process: 300 s by default.
     watch = _watch(cli, run_id, log, "--threshold", "warmup_s=15")
@@ -141,38 +143,26 @@ def test_watch_kill_stop_and_slow_drafter(tmp_path: Path) -> None:
         assert blown is not None, "a 6x slower drafter went unnoticed"
         later = [e for e in _events(run_dir) if e["event"] == "action" and e["t"] >= slow_from]
         assert later == [], f"a slow but working drafter must not be killed: {later}"
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n--- watch output (tail)\n{_stop_watch(watch, log)[-6000:]}") from None
-    finally:
-        out = _stop_watch(watch, log)
-        cli("stop", run_id, "--force", check=False)
-    assert "drafter-0" in out and watch.returncode is not None
 
-
-def test_watch_relaunches_a_job_whose_group_has_no_restarts_left(tmp_path: Path) -> None:
-    cli = Cli(tmp_path)
-    run_id, run_dir = _launch(cli, "wr", "pipeline.max_restarts=0", "train.checkpoint_every=5")
-    log = tmp_path / "watch.log"
-    watch = _watch(cli, run_id, log)
-    try:
-        _wait_training(run_dir, 6)
+        # 4. The group's restarts are spent: the next death stops the job; watch relaunches it.
+        hb = _wait_training(run_dir, _drafter(run_dir)["step"])
         killed_at = time.time()
-        os.kill(_drafter(run_dir)["pid"], signal.SIGKILL)
+        os.kill(hb["pid"], signal.SIGKILL)
         stopped = _wait_event(run_dir, lambda e: e["event"] == "stopped", 120, killed_at)
         assert "drafter group failed" in stopped["reason"]
         relaunch = _wait_event(
             run_dir, lambda e: e["event"] == "action" and e["action"] == "relaunch", 60, killed_at
         )
         assert relaunch["ok"], relaunch
-        launched = _wait_event(run_dir, lambda e: e["event"] == "launched", 120, relaunch["t"])
-        assert launched["t"] > relaunch["t"]
+        _wait_event(run_dir, lambda e: e["event"] == "launched", 120, relaunch["t"])
         started = _wait_event(
             run_dir, lambda e: e["event"] == "started" and e.get("resumed_from"), 180, relaunch["t"]
         )
-        assert started["resumed_from"] >= 5, "the relaunched job resumed from its checkpoint"
+        assert started["resumed_from"] >= 10, "the relaunched job resumed from its checkpoint"
         assert cli.wait_state(run_id, {"running"})["state"] == "running"
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- watch output (tail)\n{_stop_watch(watch, log)[-6000:]}") from None
     finally:
-        _stop_watch(watch, log)
+        out = _stop_watch(watch, log)
         cli("stop", run_id, "--force", check=False)
+    assert "drafter-0" in out and watch.returncode is not None
