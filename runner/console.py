@@ -1,4 +1,4 @@
-"""The CLI edge: turns RunnerError into a red message and exit code 1."""
+"""The CLI edge: turns RunnerError into one red message and its exit code (runner.errors)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,16 @@ def cli_errors() -> Iterator[None]:
     except RunnerError as e:
         # Escaped: messages quote config sections like "[cache] signing_key", which rich would eat.
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
+    except OSError as e:
+        # The last net under every verb: a path the library did not expect to fail (a file where a
+        # directory should be, no permission, a full disk) is one message naming it, not a traceback.
+        where = f"{e.filename}: " if e.filename else ""
+        err_console.print(
+            f"[bold red]error:[/] {escape(where + (e.strerror or str(e)))}; check that path "
+            "(its kind, owner and permissions) and the free space there",
+            highlight=False,
+        )
         raise typer.Exit(1) from None
 
 

@@ -205,6 +205,13 @@ def extract(archive: Path, dest: Path, files: list[FileEntry], limits: Limits = 
         raise IntegrityError(
             f"{archive.name} is truncated or corrupt ({e}); delete the artifact and pull or warm it again"
         ) from None
+    except OSError as e:
+        # After every name check: what is left is the destination's filesystem (full, read-only,
+        # a path past its limits).
+        raise ArtifactError(
+            f"cannot extract {archive} into {dest}: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename else ''}; check the free space and permissions there"
+        ) from None
     missing = sorted(set(expected) - seen)
     if missing:
         raise IntegrityError(

@@ -7,11 +7,12 @@ artifacts pulled from elsewhere an `origin.json` beside them (not signed: it onl
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.cache.errors import ArtifactError, UnsafeArchiveError
+from runner.cache.errors import ArtifactError, BrokenArtifactError, UnsafeArchiveError
 from runner.canonical import HEX64, canonical_json, fingerprint_key
 from runner.fsutil import atomic_write_text
 
@@ -19,6 +20,14 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ARCHIVE_NAME = "cache.tar.zst"
 ORIGIN_NAME = "origin.json"
+NAME_MAX = 255
+"""Bytes per path component on Linux filesystems; longer names cannot be created anywhere."""
+PATH_MAX = 3072
+"""Bytes per member path: below Linux's 4096, leaving room for the destination directory."""
+MANIFEST_MAX_BYTES = 1 << 30
+"""A million files (the extraction cap) take ~250 MB of manifest; anything far larger is not one."""
+MAX_DEPTH = 64
+"""Nesting depth allowed in the fingerprint and warm statistics (real ones nest 4 deep)."""
 
 
 def check_member_path(path: str) -> str:
@@ -29,6 +38,15 @@ def check_member_path(path: str) -> str:
         raise UnsafeArchiveError(f"absolute path {path!r} in the artifact: refused")
     if "\0" in path:
         raise UnsafeArchiveError(f"path {path!r} with a NUL byte in the artifact: refused")
+    try:
+        raw = path.encode()
+    except UnicodeEncodeError:
+        raise UnsafeArchiveError(f"path {path!r} is not valid UTF-8: refused") from None
+    if len(raw) > PATH_MAX or any(len(p.encode()) > NAME_MAX for p in path.split("/")):
+        raise UnsafeArchiveError(
+            f"path {path[:80]!r}... is too long (a name over {NAME_MAX} bytes or a path over "
+            f"{PATH_MAX}): no cache writes such names; refused"
+        )
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafeArchiveError(f"path {path!r} is not normalized or climbs out with '..': refused")
@@ -106,20 +124,41 @@ class Manifest:
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
+        def broken(problem: str) -> BrokenArtifactError:
+            return BrokenArtifactError(
+                f"{path} {problem}: the artifact is corrupt; delete its directory or pull it again "
+                "(cache pull --force)"
+            )
+
         try:
-            data = json.loads(path.read_text())
+            st = path.stat()
+            if stat.S_ISDIR(st.st_mode):
+                raise broken("is a directory, not a file")
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+                raise broken("is not a regular file")
+            if st.st_size > MANIFEST_MAX_BYTES:
+                raise broken(f"is over {MANIFEST_MAX_BYTES >> 20} MiB, far larger than any manifest")
+            text = path.read_text()
         except FileNotFoundError:
-            raise ArtifactError(f"{path} not found: not an artifact directory") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArtifactError(
-                f"{path} is not valid JSON ({e}): the artifact is corrupt; delete it or pull it again"
+            raise BrokenArtifactError(
+                f"{path} not found: not an artifact directory; delete it or pull the artifact again"
             ) from None
+        except UnicodeDecodeError:
+            raise broken("is not UTF-8 text") from None
+        except OSError as e:
+            raise broken(f"cannot be read ({e.strerror})") from None
+        try:
+            data = json.loads(text, parse_constant=_no_constant)
+        except ValueError as e:  # not JSON, NaN or Infinity, an integer past Python's digit limit
+            raise broken(f"is not valid JSON ({e})") from None
+        except RecursionError:
+            raise broken("nests too deeply to be a manifest") from None
         return cls.from_dict(data, where=str(path))
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "manifest") -> Manifest:
-        def bad(problem: str) -> ArtifactError:
-            return ArtifactError(f"{where}: {problem}; the artifact is corrupt or tampered with")
+        def bad(problem: str) -> BrokenArtifactError:
+            return BrokenArtifactError(f"{where}: {problem}; the artifact is corrupt or tampered with")
 
         if not isinstance(data, dict):
             raise bad("not a JSON object")
@@ -138,7 +177,14 @@ class Manifest:
             raise bad(f"key {key!r} is not a sha256 hex digest")
         if not isinstance(fingerprint, dict):
             raise bad("fingerprint is not an object")
-        if fingerprint_key(fingerprint) != key:
+        for name in ("fingerprint", "warm"):
+            if _depth(data.get(name)) > MAX_DEPTH:
+                raise bad(f"{name} nests more than {MAX_DEPTH} levels deep")
+        try:
+            computed = fingerprint_key(fingerprint)
+        except ValueError as e:  # a float that JSON cannot carry
+            raise bad(f"fingerprint is not canonical JSON ({e})") from None
+        if computed != key:
             raise bad("key is not the sha256 of the fingerprint")
         files = []
         seen: set[str] = set()
@@ -165,6 +211,8 @@ class Manifest:
             or not isinstance(archive.get("sha256"), str)
             or not HEX64.match(archive["sha256"])
             or not isinstance(archive.get("size"), int)
+            or isinstance(archive["size"], bool)
+            or archive["size"] < 0
         ):
             raise bad("archive must be {sha256, size}")
         for k in ("created_at", "tool_version", "config_name"):
@@ -193,3 +241,20 @@ class Manifest:
             format=fmt,
             signature=signature,
         )
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: Any) -> int:
+    """How deeply value nests (iterative: the value may be nested past Python's recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level > MAX_DEPTH:
+                return level
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

@@ -2,13 +2,18 @@
 
 Order matters: nothing is extracted before the signature policy, the archive hash and the
 fingerprint all pass; extraction goes to a private temp dir beside dest; the live cache is
-replaced by an atomic swap and the old one is kept at `<dest>.prev-<timestamp>`, never deleted.
+replaced by an atomic swap and the old one is kept at `<dest>.prev-<timestamp>`. Of those, the
+newest `[cache] keep_previous` (default 2) stay and older ones are deleted; temp dirs that killed
+restores left beside dest are deleted too. Both happen under dest's lock, which every restore into
+dest holds from its first write to its last, so no restore in progress is touched.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -16,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from runner.cache.archive import Limits, extract, verify_archive_hash
-from runner.cache.errors import FingerprintMismatchError, UntrustedArtifactError
+from runner.cache.errors import FingerprintMismatchError, StoreInputError, UntrustedArtifactError
+from runner.cache.leftovers import dest_lock_path, sweep_restore_temps_locked
+from runner.cache.settings import keep_previous as configured_keep_previous
 from runner.cache.signing import Keyring, check_signature
 from runner.cache.store import Artifact, now_iso
 from runner.canonical import flatten
@@ -33,9 +40,12 @@ class RestoreResult:
     files: int
     bytes: int
     moved_aside: Path | None
+    """Where the previous cache went (None: there was none, or keep_previous is 0)."""
     signature: str
     differences: list[tuple[str, Any, Any]]
     """Fingerprint fields that differ (non-empty only under --force)."""
+    swept: list[Path]
+    """Temp dirs of killed restores and previous caches beyond keep_previous, deleted."""
 
 
 def trust_check(art: Artifact, ring: Keyring, *, trust: bool) -> str:
@@ -84,7 +94,13 @@ def restore(
     force: bool = False,
     trust: bool = False,
     limits: Limits = Limits(),
+    keep_previous: int | None = None,
 ) -> RestoreResult:
+    """keep_previous: previous caches kept beside dest (None: `[cache] keep_previous`, default 2)."""
+    keep = configured_keep_previous() if keep_previous is None else keep_previous
+    if keep < 0:
+        raise StoreInputError(f"keep_previous {keep}: must be >= 0")
+    art.check_directory()
     sig_status = trust_check(art, ring, trust=trust)
     verify_archive_hash(art.archive, art.manifest.archive)
     diffs: list[tuple[str, Any, Any]] = []
@@ -98,8 +114,13 @@ def restore(
                 diffs,
             )
     dest = dest.expanduser().absolute()
+    if os.path.lexists(dest) and not dest.is_dir():
+        raise StoreInputError(
+            f"--dest {dest} exists and is not a directory; pass a directory (or a new path)"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with file_lock(dest.parent / f".{dest.name}.lock"):
+    with file_lock(dest_lock_path(dest)):
+        swept = sweep_restore_temps_locked(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.restore-", dir=dest.parent))
         try:
             extract(art.archive, tmp, art.manifest.files, limits)
@@ -125,6 +146,12 @@ def restore(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        old_copies = previous_copies(dest)[keep:]
+        for old in old_copies:
+            shutil.rmtree(old, ignore_errors=True)
+        swept += old_copies
+        if moved in old_copies:
+            moved = None
     check_private_dir(dest)
     return RestoreResult(
         dest=dest,
@@ -134,4 +161,12 @@ def restore(
         moved_aside=moved,
         signature=sig_status,
         differences=diffs,
+        swept=swept,
     )
+
+
+def previous_copies(dest: Path) -> list[Path]:
+    """dest's previous caches, newest first (the timestamp in the name sorts as the time does)."""
+    pattern = re.compile(rf"^{re.escape(dest.name)}\.prev-\d{{8}}-\d{{6}}-\d{{6}}$")
+    found = [p for p in dest.parent.iterdir() if pattern.match(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: p.name, reverse=True)

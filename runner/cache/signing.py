@@ -24,17 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from runner.cache.manifest import Manifest, Signature
-from runner.envs import tomllib  # the one 3.10 fallback shim
-from runner.errors import RunnerError
+from runner.cache.settings import cache_table, config_path
+from runner.errors import BadInput, RunnerError
+
+__all__ = ["Keyring", "check_signature", "config_path", "load_keyring", "sign"]
 
 HMAC_ALG = "hmac-sha256"
 ED25519_ALG = "ed25519"
 MIN_SECRET_BYTES = 16
-
-
-def config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "dflashctl" / "config.toml"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,16 +65,11 @@ def _crypto() -> Any:
 def load_keyring(path: Path | None = None) -> Keyring:
     ring = Keyring()
     cfg_file = path or config_path()
-    section: dict[str, Any] = {}
-    if cfg_file.is_file():
-        try:
-            section = tomllib.loads(cfg_file.read_text()).get("cache", {})
-        except tomllib.TOMLDecodeError as e:
-            raise RunnerError(f"{cfg_file} is not valid TOML: {e}") from None
+    section = cache_table(cfg_file)
     secret = os.environ.get("DFLASH_CACHE_SIGNING_KEY") or section.get("signing_key")
     if secret:
         if not isinstance(secret, str) or len(secret.encode()) < MIN_SECRET_BYTES:
-            raise RunnerError(
+            raise BadInput(
                 f"the cache signing key must be a string of at least {MIN_SECRET_BYTES} bytes "
                 f"(env DFLASH_CACHE_SIGNING_KEY or [cache] signing_key in {cfg_file})"
             )
@@ -88,13 +80,18 @@ def load_keyring(path: Path | None = None) -> Keyring:
         try:
             return path.read_bytes()
         except OSError as e:
-            raise RunnerError(
+            raise BadInput(
                 f"[cache] {key} in {cfg_file}: cannot read {path}: {e.strerror}; fix the path there"
             ) from None
 
     if section.get("ed25519_private_key"):
         ring.ed25519_private_pem = pem("ed25519_private_key", section["ed25519_private_key"])
-    for pub in section.get("ed25519_public_keys", []):
+    publics = section.get("ed25519_public_keys", [])
+    if not isinstance(publics, list):
+        raise BadInput(
+            f'[cache] ed25519_public_keys in {cfg_file}: use a list of PEM paths, e.g. ["~/team.pem"]'
+        )
+    for pub in publics:
         ring.ed25519_public_pems.append(pem("ed25519_public_keys", pub))
     return ring
 
@@ -117,7 +114,12 @@ def sign(manifest: Manifest, ring: Keyring) -> Signature:
     """Sign with Ed25519 when a private key is configured, else HMAC."""
     payload = manifest.signing_payload()
     if ring.ed25519_private_pem is not None:
-        priv = _crypto().load_pem_private_key(ring.ed25519_private_pem, password=None)
+        try:
+            priv = _crypto().load_pem_private_key(ring.ed25519_private_pem, password=None)
+        except (ValueError, TypeError) as e:
+            raise BadInput(
+                f"[cache] ed25519_private_key in {config_path()} is not an unencrypted PEM private key ({e})"
+            ) from None
         value = base64.b64encode(priv.sign(payload)).decode()
         return Signature(alg=ED25519_ALG, key_id=_ed25519_key_id(_raw_public(priv.public_key())), value=value)
     if ring.hmac_secret is not None:
@@ -138,7 +140,7 @@ def check_signature(manifest: Manifest, ring: Keyring) -> tuple[str, str]:
         if ring.hmac_secret is None:
             return "unverifiable", f"signed with {sig.key_id}, but no HMAC signing key is configured here"
         want = hmac.new(ring.hmac_secret, payload, hashlib.sha256).hexdigest()
-        if hmac.compare_digest(want, sig.value):
+        if hmac.compare_digest(want.encode(), sig.value.encode()):
             return "valid", f"HMAC-SHA256 with {sig.key_id}"
         mine = hmac_key_id(ring.hmac_secret)
         why = (
@@ -155,7 +157,12 @@ def check_signature(manifest: Manifest, ring: Keyring) -> tuple[str, str]:
         except ValueError:
             return "invalid", "Ed25519 signature is not base64"
         for pem in ring.ed25519_public_pems:
-            pub = _ed25519_public(pem)
+            try:
+                pub = _ed25519_public(pem)
+            except (ValueError, TypeError) as e:
+                raise BadInput(
+                    f"[cache] ed25519_public_keys in {config_path()}: a key is not a PEM public key ({e})"
+                ) from None
             if _ed25519_key_id(_raw_public(pub)) != sig.key_id:
                 continue
             try:

@@ -14,21 +14,30 @@ import secrets
 import shlex
 
 from runner.cache.archive import verify_archive_hash
-from runner.cache.errors import ArtifactError, IntegrityError
+from runner.cache.errors import ArtifactError, ArtifactExistsError, IntegrityError, StoreInputError
 from runner.cache.manifest import ARCHIVE_NAME, MANIFEST_NAME, ORIGIN_NAME, Manifest
 from runner.cache.store import Artifact, Store, now_iso
 from runner.canonical import fingerprint_key
+from runner.errors import BadInput
 from runner.exec import remote
 
 
 def parse_remote(spec: str) -> tuple[str, str]:
-    """USER@HOST:DIR -> (USER@HOST, DIR)."""
+    """USER@HOST:DIR -> (USER@HOST, DIR), the host checked as every host is (remote.parse_host)."""
     m = re.fullmatch(r"([^:/\s]+):(.+)", spec.strip())
+    hint = "must look like USER@HOST:DIR (e.g. root@gpu1:/data/dflash-cache)"
     if not m:
-        raise ArtifactError(
-            f"--remote {spec!r} must look like USER@HOST:DIR (e.g. root@gpu1:/data/dflash-cache)"
+        raise StoreInputError(f"--remote {spec!r} {hint}")
+    host, rdir = m.group(1), m.group(2)
+    try:
+        remote.parse_host(host)
+    except BadInput as e:
+        raise StoreInputError(f"--remote {spec!r} {hint}: {e}") from None
+    if rdir.startswith("-"):
+        raise StoreInputError(
+            f"--remote {spec!r}: DIR {rdir!r} starts with '-'; give a path such as /data/dflash-cache"
         )
-    return m.group(1), m.group(2)
+    return host, rdir
 
 
 def _sh(host: str, script: str) -> str:
@@ -72,16 +81,22 @@ def remote_keys(host: str, rdir: str) -> list[str]:
     return sorted(k for k in out.split() if re.fullmatch(r"[0-9a-f]{64}", k))
 
 
-def pull(store: Store, key_or_prefix: str, spec: str) -> Artifact:
-    """Copy an artifact from the remote store into the local one, marked remote-origin."""
+def pull(store: Store, key_or_prefix: str, spec: str, *, force: bool = False) -> Artifact:
+    """Copy an artifact from the remote store into the local one, marked remote-origin. An artifact
+    of the same key already here (made here and trusted, or pulled before) is replaced only with
+    force: a remote copy must never silently take the place of a local one."""
     host, rdir = parse_remote(spec)
     prefix = key_or_prefix.strip().lower()
+    if not prefix or not re.fullmatch(r"[0-9a-f]+", prefix):
+        raise StoreInputError(f"{key_or_prefix!r} is not an artifact key (hex)")
     hits = [k for k in remote_keys(host, rdir) if k.startswith(prefix)]
     if not hits:
         raise ArtifactError(f"no artifact {key_or_prefix!r} in {spec}")
     if len(hits) > 1:
-        raise ArtifactError(f"{key_or_prefix!r} is ambiguous in {spec}: {', '.join(h[:16] for h in hits)}")
+        raise StoreInputError(f"{key_or_prefix!r} is ambiguous in {spec}: {', '.join(h[:16] for h in hits)}")
     key = hits[0]
+    if not force and key in store.artifact_keys():
+        raise ArtifactExistsError(key, store.root / key)  # before any copying; install checks again
     with store.staging() as stage:
         art_dir = stage / "artifact"
         art_dir.mkdir(mode=0o700)
@@ -99,5 +114,5 @@ def pull(store: Store, key_or_prefix: str, spec: str) -> Artifact:
             )
             + "\n"
         )
-        final = store.install(art_dir, key)
+        final = store.install(art_dir, key, replace=force)
     return Artifact.load(final)

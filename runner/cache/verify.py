@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 from runner.cache.archive import Limits, extract, verify_archive_hash
+from runner.cache.leftovers import held_tempdir
 from runner.cache.signing import Keyring, check_signature
 from runner.cache.store import Artifact
 
 
 def verify_artifact(art: Artifact, ring: Keyring, *, limits: Limits = Limits()) -> tuple[int, int, str]:
     """Raises on any mismatch; returns (files, bytes, signature status line)."""
+    art.check_directory()
     verify_archive_hash(art.archive, art.manifest.archive)
-    scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=art.path.parent))
-    try:
+    with held_tempdir(art.path.parent, ".verify-") as scratch:
         extract(art.archive, scratch, art.manifest.files, limits)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     status, detail = check_signature(art.manifest, ring)
     return len(art.manifest.files), art.manifest.files_size, f"{status} ({detail})"

@@ -12,7 +12,8 @@ from rich.markup import escape
 from runner.build import apply_image, apply_venv, plan_image, plan_venv
 from runner.console import cli_errors, console
 from runner.envs import LOCK_FILES, load_variant, project_root
-from runner.errors import RunnerError
+from runner.errors import BadInput
+from runner.exec import remote
 
 
 def build(
@@ -50,12 +51,14 @@ def build(
     """Build a variant's pinned environment; an unchanged build is a no-op that says so."""
     with cli_errors():
         if lock_kind not in LOCK_FILES:
-            raise RunnerError(f"--lock-kind {lock_kind!r}: use one of {', '.join(LOCK_FILES)}")
+            raise BadInput(f"--lock-kind {lock_kind!r}: use one of {', '.join(LOCK_FILES)}")
+        if host is not None:
+            remote.parse_host(host)  # refused here, also for --dry-run, which prints the host
         root = project_root()
         v = load_variant(variant, root)
         if venv is not None:
             if host or base_image or network:
-                raise RunnerError(
+                raise BadInput(
                     "--venv builds on this machine without Docker: drop --host/--base-image/--network "
                     "(run dflashctl on the target host to build a venv there)"
                 )

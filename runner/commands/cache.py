@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from runner.cache import transfer
+from runner.cache.manifest import MANIFEST_NAME
 from runner.cache.restore import format_differences, restore
 from runner.cache.signing import check_signature, load_keyring
 from runner.cache.store import STORE_ENV, Artifact, Store, parse_age
@@ -20,6 +23,7 @@ from runner.cache.verify import verify_artifact
 from runner.console import cli_errors, console, err_console
 from runner.errors import RunnerError
 from runner.exec.jobenv import JobEnv, job_fingerprint, job_image
+from runner.launch.plan import managed_cache_dir
 
 app = typer.Typer(
     help="Compile-cache artifacts: list, show, verify, restore, prune, push, pull.", no_args_is_help=True
@@ -47,11 +51,13 @@ def _human(n: float) -> str:
 
 
 def env_summary(fp: dict[str, Any]) -> dict[str, Any]:
+    """The columns `cache list` shows, from whatever the fingerprint holds (it is checked only as
+    canonical JSON, so any field may have any type)."""
     env = fp.get("env", {}) if isinstance(fp.get("env"), dict) else {}
-    gpus = env.get("gpus") or []
-    gpu = ", ".join(
-        f"{g.get('name')} ({g.get('capability')})" for g in gpus if isinstance(g, dict)
-    ) or env.get("device_type", "-")
+    gpus = env.get("gpus")
+    gpus = gpus if isinstance(gpus, list) else []
+    names = [f"{g.get('name')} ({g.get('capability')})" for g in gpus if isinstance(g, dict)]
+    gpu = ", ".join(names) or str(env.get("device_type", "-"))
     return {"torch": env.get("torch"), "triton": env.get("triton"), "cuda": env.get("cuda"), "gpu": gpu}
 
 
@@ -98,20 +104,25 @@ def list_cmd(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
             for col in ("key", "size", "created", "config", "torch", "triton", "GPU", "signature", "origin"):
                 table.add_column(col, overflow="fold", no_wrap=col == "key")
             for r in rows:
-                table.add_row(
+                cells = (
                     r["key"][:16],
                     _human(r["size"]),
                     r["created_at"],
                     r["config_name"],
-                    str(r["torch"]),
-                    str(r["triton"]),
-                    str(r["gpu"]),
+                    r["torch"],
+                    r["triton"],
+                    r["gpu"],
                     r["signature"],
                     r["origin"],
                 )
+                table.add_row(*(escape(str(c)) for c in cells))  # manifest text is data, not markup
             console.print(table)
-        for key, problem in broken:
-            err_console.print(f"[yellow]broken artifact {key[:16]}:[/] {problem}", highlight=False)
+        _report_broken(broken)
+
+
+def _report_broken(broken: list[tuple[str, str]]) -> None:
+    for key, problem in broken:
+        err_console.print(f"[yellow]broken artifact {key[:16]}:[/] {escape(problem)}", highlight=False)
 
 
 @app.command("show")
@@ -155,7 +166,7 @@ def _opened(st: Store, ref: str) -> Iterator[Artifact]:
     """A store artifact (under its shared lock) or an artifact directory elsewhere (foreign: it
     needs a valid signature, like a pulled one)."""
     path = Path(ref).expanduser()
-    if path.is_dir() and (path / "manifest.json").is_file():
+    if path.is_dir() and os.path.lexists(path / MANIFEST_NAME):
         if path.resolve().parent == st.root.resolve():
             with st.reading(path.name) as art:
                 yield art
@@ -199,6 +210,14 @@ def restore_cmd(
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="Config override key=value (with --config).")
     ] = None,
+    keep_previous: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Previous caches to keep beside DEST as DEST.prev-<time> (default: [cache] "
+            "keep_previous in dflashctl's config file, else 2).",
+        ),
+    ] = None,
     store: StoreOpt = None,
 ) -> None:
     """Verify an artifact, check it against the destination environment, and swap it in safely."""
@@ -231,7 +250,13 @@ def restore_cmd(
                 )
                 dest_fp = None
             result = restore(
-                art, dest, dest_fingerprint=dest_fp, ring=load_keyring(), force=force, trust=trust
+                art,
+                dest,
+                dest_fingerprint=dest_fp,
+                ring=load_keyring(),
+                force=force,
+                trust=trust,
+                keep_previous=keep_previous,
             )
         if result.differences:
             err_console.print(
@@ -246,11 +271,18 @@ def restore_cmd(
         )
         if result.moved_aside is not None:
             console.print(f"previous cache kept at {result.moved_aside}", highlight=False)
+        for gone in result.swept:
+            console.print(f"deleted {gone} (an older previous cache, or a killed restore's)", highlight=False)
         console.print(
             f"use it with: export DFLASH_CACHE_DIR={result.dest} (or TORCHINDUCTOR_CACHE_DIR="
             f"{result.dest}/inductor TRITON_CACHE_DIR={result.dest}/triton)",
             highlight=False,
         )
+
+
+def managed_restore_root() -> Path:
+    """Where `dflashctl run` restores caches on this machine (one directory per key)."""
+    return Path(managed_cache_dir(str(Path.home()), "-", "")).parent
 
 
 @app.command("prune")
@@ -262,17 +294,29 @@ def prune_cmd(
     dry_run: Annotated[bool, typer.Option(help="Only print what would be removed.")] = False,
     store: StoreOpt = None,
 ) -> None:
-    """Remove old artifacts. With both options the newest N stay and older ones past AGE go."""
+    """Remove old artifacts (with both options the newest N stay and older ones past AGE go), and
+    always the temp dirs that killed warm, pull, verify or restore processes left behind."""
     with cli_errors():
         age = parse_age(older_than) if older_than is not None else None
-        doomed = Store(store).prune(keep=keep, older_than=age, dry_run=dry_run)
+        pruned = Store(store).prune(
+            keep=keep, older_than=age, dry_run=dry_run, restore_dirs=(managed_restore_root(),)
+        )
         verb = "would remove" if dry_run else "removed"
-        for art in doomed:
+        for art in pruned.removed:
             console.print(
                 f"{verb} {art.key[:16]} ({art.manifest.config_name}, {art.manifest.created_at})",
                 highlight=False,
             )
-        console.print(f"{verb} {len(doomed)} artifact(s)")
+        for path in pruned.leftovers:
+            console.print(f"{verb} leftover {path}", highlight=False)
+        hint = (
+            "" if keep is not None or age is not None else " (--keep N or --older-than AGE removes artifacts)"
+        )
+        console.print(
+            f"{verb} {len(pruned.removed)} artifact(s) and {len(pruned.leftovers)} leftover temp dir(s){hint}",
+            highlight=False,
+        )
+        _report_broken(pruned.broken)
 
 
 RemoteOpt = Annotated[
@@ -296,11 +340,14 @@ def push_cmd(
 def pull_cmd(
     key: Annotated[str, typer.Argument(help="Artifact key or unique prefix (in the remote store).")],
     remote: RemoteOpt,
+    force: Annotated[
+        bool, typer.Option(help="Replace an artifact of the same key that is already in the local store.")
+    ] = False,
     store: StoreOpt = None,
 ) -> None:
     """Copy an artifact from a remote store; it is restored only if signed with your key (or --trust)."""
     with cli_errors():
-        art = transfer.pull(Store(store), key, remote)
+        art = transfer.pull(Store(store), key, remote, force=force)
         status, detail = check_signature(art.manifest, load_keyring())
         console.print(
             f"[green]pulled[/] {art.key} into {art.path}; signature {status} ({detail})", highlight=False

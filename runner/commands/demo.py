@@ -28,7 +28,7 @@ import typer
 from runner.cache.store import Store
 from runner.console import cli_errors, console, warn
 from runner.envs import project_root
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.launch import foreground
 from runner.launch.apply import apply, wait_started
@@ -82,10 +82,10 @@ def register(app: typer.Typer) -> None:
         """The CPU demo end to end: warm the cache, run, freeze a drafter midway, watch it recover, report."""
         with cli_errors(), remote.connections():
             if steps < 10:
-                raise RunnerError("--steps must be >= 10 (the fault comes at half way)")
+                raise BadInput("--steps must be >= 10 (the fault comes at half way)")
             backend = backend or ("tmux" if shutil.which("tmux") else "foreground")
             if backend not in ("tmux", "foreground"):
-                raise RunnerError("--backend: the demo runs in tmux or in the foreground")
+                raise BadInput("--backend: the demo runs in tmux or in the foreground")
             config = project_root() / "configs" / "demo-cpu.toml"
             sets = [f"train.total_steps={steps}", f"train.checkpoint_every={max(5, steps // 6)}",
                     "run.status_interval_s=2"]  # fmt: skip

@@ -1,6 +1,7 @@
 """`dflashctl doctor`: fingerprint an environment and check it against its variant lock.
 
-Exit codes: 0 healthy, 3 a check failed (drift, torch swap, driver too old), 1 doctor could not run.
+Exit codes: 0 healthy, 3 a check failed (drift, torch swap, driver too old), 1 doctor could not run,
+2 bad input (a malformed --host, --python with --image, an unknown --lock-kind).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from rich.table import Table
 from runner.console import cli_errors, console, warn
 from runner.doctor import Report, collect, diagnose
 from runner.envs import LOCK_FILES, load_variant, project_root
-from runner.errors import RunnerError
-from runner.exec import docker
+from runner.errors import BadInput
+from runner.exec import docker, remote
 from runner.lock import read_lock
 
 FAILED = 3
@@ -51,9 +52,11 @@ def doctor(
     """Fingerprint an environment; with --variant or --lock, report drift (exit 3 when it breaks reproducibility)."""
     with cli_errors():
         if python and image:
-            raise RunnerError("give --python or --image, not both")
+            raise BadInput("give --python or --image, not both")
         if lock_kind is not None and lock_kind not in LOCK_FILES:
-            raise RunnerError(f"--lock-kind {lock_kind!r}: use one of {', '.join(LOCK_FILES)}")
+            raise BadInput(f"--lock-kind {lock_kind!r}: use one of {', '.join(LOCK_FILES)}")
+        if host is not None:
+            remote.parse_host(host)  # refused here, before any probe
         v = load_variant(variant, project_root()) if variant else None
         lock_obj = None
         if lock is not None:

@@ -8,7 +8,7 @@ import typer
 
 from runner.console import cli_errors, console
 from runner.envs import LOCK_FILES, list_variants, load_variant, project_root
-from runner.errors import RunnerError
+from runner.errors import BadInput
 from runner.lock import check_lock, compile_lock
 
 
@@ -32,7 +32,7 @@ def lock(
         kinds = kind or list(LOCK_FILES)
         for k in kinds:
             if k not in LOCK_FILES:
-                raise RunnerError(f"--kind {k!r}: use one of {', '.join(LOCK_FILES)}")
+                raise BadInput(f"--kind {k!r}: use one of {', '.join(LOCK_FILES)}")
         for name in variant or list_variants(root):
             v = load_variant(name, root)
             for k in kinds:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from runner.console import cli_errors, console
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.launch.control import log_argv, log_names
 from runner.launch.registry import Registry
 
@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
             if not hosts:
                 raise RunnerError(f"{rec.run_id} has no node {node} (nodes 0..{len(rec.hosts) - 1})")
             if lines < 0:
-                raise RunnerError("--lines must be >= 0")
+                raise BadInput("--lines must be >= 0")
             if list_logs:
                 for n in ["supervisor", *[x for x in log_names(hosts[0]) if x != "supervisor"]]:
                     console.print(n, highlight=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -12,7 +13,7 @@ import typer
 from runner.cache.store import Store
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console, err_console, warn
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.exec.jobenv import job_image
 from runner.launch import foreground
@@ -40,6 +41,30 @@ def _render(plan: RunPlan) -> None:
             for m in hp.mounts:
                 console.print(f"  mount     {m.arg()}", highlight=False)
         console.print(f"  command   {shell_line(hp, log=False)}", highlight=False, soft_wrap=True)
+
+
+def _config_value(config: Path, sets: list[str], dotted: str, default: object) -> object:
+    try:
+        return config_value(config, sets, dotted, default)
+    except RunnerError as e:  # its one failure: the file is not readable TOML
+        raise BadInput(str(e)) from None
+
+
+def _check_local_runs_root(runs_root: str) -> None:
+    """The runs root on this machine must be, or be creatable as, a directory we can write: refused
+    here, in one message, instead of at mkdir after every check has run."""
+    probe = Path(runs_root).absolute()
+    while not os.path.lexists(probe):  # the deepest part that exists decides
+        probe = probe.parent
+    if not probe.is_dir():
+        raise BadInput(
+            f"runs root {runs_root}: {probe} is not a directory; pass --runs-root DIR (a directory, "
+            "or a path that can be created)"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise BadInput(
+            f"runs root {runs_root}: {probe} is not writable by you; pass --runs-root DIR you can write"
+        )
 
 
 def register(app: typer.Typer) -> None:
@@ -81,9 +106,11 @@ def register(app: typer.Typer) -> None:
         with cli_errors(), remote.connections():
             sets = sets or []
             if not config.is_file():
-                raise RunnerError(
-                    f"config {config} not found; pass a TOML file such as configs/demo-cpu.toml"
-                )
+                raise BadInput(f"config {config} not found; pass a TOML file such as configs/demo-cpu.toml")
+            for h in hosts or []:
+                remote.parse_host(h)  # every host refused here, before any probe of the first
+            if not hosts:
+                _check_local_runs_root(runs_root or str(_config_value(config, sets, "run.runs_root", "runs")))
             img = job_image(image, variant) if backend == "docker" else image
             req = Request(
                 config=str(config),
@@ -99,7 +126,7 @@ def register(app: typer.Typer) -> None:
                 allow_drift=allow_drift,
                 rdzv_port=rdzv_port,
             )
-            req.name = check_name(name or str(config_value(config, sets, "run.name", "dflash")))
+            req.name = check_name(name or str(_config_value(config, sets, "run.name", "dflash")))
             run_id = new_run_id(req.name)
             st = Store(store)
             facts = preflight(req, run_id=run_id, name=req.name, store=st, warn=warn)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from runner.console import cli_errors, console
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.launch.control import status, stop
 from runner.launch.registry import Registry
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         """Stop a run: the drafters agree on a step and checkpoint, every process exits; then force."""
         with cli_errors(), remote.connections():
             if timeout < 0:
-                raise RunnerError("--timeout must be >= 0")
+                raise BadInput("--timeout must be >= 0")
             rec = Registry().find(run)
             say = (lambda m: None) if as_json else (lambda m: console.print(m, highlight=False))
             result = stop(rec, force=force, timeout=timeout, progress=say)

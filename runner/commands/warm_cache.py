@@ -15,7 +15,8 @@ from runner.cache.warmrun import warm_cache
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console
 from runner.envs import tomllib  # the one 3.10 fallback shim
-from runner.errors import RunnerError
+from runner.errors import BadInput
+from runner.exec import remote
 from runner.exec.docker import host_has_nvidia
 from runner.exec.jobenv import JobEnv, job_image
 
@@ -24,7 +25,7 @@ def _wants_gpu(config: Path, host: str | None, sets: list[str]) -> bool:
     try:
         device = tomllib.loads(config.read_text()).get("run", {}).get("device", "auto")
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise RunnerError(f"cannot read {config}: {e}") from None
+        raise BadInput(f"cannot read {config}: {e}") from None
     for override in sets:  # the job applies --set after the file; the last one wins
         key, _, value = override.partition("=")
         if key.strip() == "run.device":
@@ -78,6 +79,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compile the job's real code paths for every shape the config can produce; save the cache."""
         with cli_errors():
+            if host is not None:
+                remote.parse_host(host)  # refused here, before any probe
             image = job_image(image, variant)
             # Locally the default job environment is dflashctl's own; on a host or in an image, python3.
             local = host is None and image is None

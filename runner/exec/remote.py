@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 
 # A host that stops answering must fail the command, not hang it: ssh otherwise waits for a dead TCP
 # peer indefinitely. ssh keeps the first value given for an option, so these come after the user's.
@@ -57,10 +57,10 @@ class Host:
 
 def parse_host(spec: str) -> Host:
     """`[USER@]HOST[:PORT]`, refusing anything else (a leading `-`, spaces, shell characters)."""
-    m = _HOST_RE.match(spec)
+    m = _HOST_RE.fullmatch(spec)
     port = int(m.group("port")) if m and m.group("port") else None
     if not m or (port is not None and not 0 < port < 65536):
-        raise RunnerError(
+        raise BadInput(
             f"host {spec!r} is not USER@HOST[:PORT] (letters, digits, '.', '_' and '-'; IPv6 as "
             "[addr]:port); give a host such as root@10.0.0.5 or gpu1:2222"
         )

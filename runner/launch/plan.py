@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.errors import RunnerError
+from runner.errors import BadInput
 from runner.launch.registry import check_name
 
 BACKENDS = ("tmux", "docker", "foreground")
@@ -83,14 +83,14 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise RunnerError(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+            raise BadInput(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         if self.backend == "docker" and not self.image:
-            raise RunnerError("--backend docker needs --image REF or --variant V (an image to run)")
+            raise BadInput("--backend docker needs --image REF or --variant V (an image to run)")
         if self.image and self.backend != "docker":
-            raise RunnerError(f"--image runs in a container: use --backend docker, not {self.backend}")
+            raise BadInput(f"--image runs in a container: use --backend docker, not {self.backend}")
         for s in self.sets:
             if "=" not in s:
-                raise RunnerError(f"--set {s!r}: use key=value, e.g. --set train.lr=1e-4")
+                raise BadInput(f"--set {s!r}: use key=value, e.g. --set train.lr=1e-4")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Any
 from runner.cache.store import Store
 from runner.doctor import collect, diagnose
 from runner.envs import load_variant, project_root, tomllib
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import docker as docker_cli
 from runner.exec import remote
 from runner.exec.jobenv import JobEnv, job_fingerprint
@@ -233,7 +233,7 @@ def preflight(
             if not facts.check.get("ok"):
                 errors = facts.check.get("errors") or [{"key": "", "message": "the check failed"}]
                 lines = [f"  {e.get('key') or '(config)'}: {e.get('message')}" for e in errors]
-                raise RunnerError(
+                raise BadInput(
                     f"the job refused the config {config} on {where} ({len(errors)} problem(s)):\n"
                     + "\n".join(lines)
                 )

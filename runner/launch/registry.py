@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.fsutil import atomic_write_text
 
 STATE_ENV = "DFLASH_STATE_DIR"
@@ -21,7 +21,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,47}$")
 
 def check_name(name: str) -> str:
     if not NAME_RE.match(name):
-        raise RunnerError(
+        raise BadInput(
             f"run name {name!r} is not allowed: use 1-48 letters, digits, '_' or '-', starting with a "
             "letter or digit (it names the tmux session and the containers)"
         )

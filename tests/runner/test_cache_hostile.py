@@ -59,8 +59,10 @@ def _restore_refused(tmp_path: Path, art_dir: Path, error: type[Exception], matc
         ([reg("inductor/../../victim/pwned", b"x")], "climbs out"),
         ([reg("/tmp/abs-pwned", b"x")], "absolute path"),
         ([reg("inductor/./x", b"x")], "not normalized"),
+        ([reg("inductor/" + "n" * 300, b"x")], "too long"),
+        ([reg("/".join(["d" * 200] * 20), b"x")], "too long"),
     ],
-    ids=["traversal", "absolute", "dot-segment"],
+    ids=["traversal", "absolute", "dot-segment", "long-name", "long-path"],
 )
 def test_bad_member_names(tmp_path: Path, members: list, match: str) -> None:
     # The manifest must list the same name, which manifest validation already refuses.
@@ -101,6 +103,12 @@ def test_links_and_special_files(tmp_path: Path, member: tuple, match: str) -> N
     ]
     art = write_hostile(tmp_path / "art", members, manifest_files=files)
     _restore_refused(tmp_path, art, UnsafeArchiveError, match)
+
+
+def test_long_name_hidden_from_manifest(tmp_path: Path) -> None:
+    """A name no filesystem can create (ENAMETOOLONG at open) is refused by name, before any write."""
+    art = write_hostile(tmp_path / "art", [reg("inductor/" + "n" * 300, b"x")], manifest_files=[])
+    _restore_refused(tmp_path, art, UnsafeArchiveError, "too long")
 
 
 def test_member_not_in_manifest(tmp_path: Path) -> None:

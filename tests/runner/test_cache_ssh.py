@@ -59,7 +59,7 @@ def test_push_then_pull_marks_remote_origin(sshd: str, tmp_path: Path) -> None:
             str(other.root),
         ],
     )
-    assert res.exit_code == 1 and "--trust" in res.output, res.output
+    assert res.exit_code == 2 and "--trust" in res.output, res.output  # untrusted: bad input
     assert not (tmp_path / "dest").exists()
     res = runner.invoke(
         app,
@@ -100,5 +100,26 @@ def test_pull_detects_corruption_in_transit(sshd: str, tmp_path: Path) -> None:
         app,
         ["cache", "pull", art.key, "--remote", f"{sshd}:{remote_dir}", "--store", str(tmp_path / "other")],
     )
-    assert res.exit_code == 1 and "does not match" in res.output, res.output
+    assert res.exit_code == 2 and "does not match" in res.output, res.output  # corrupt: bad input
     assert not (tmp_path / "other" / art.key).exists()
+
+
+def test_pull_never_replaces_a_local_artifact_without_force(sshd: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    local = Store(tmp_path / "local").ensure()
+    art = make_artifact(local, tmp_path, tag="mine")
+    remote_dir = tmp_path / "remote"
+    push = ["cache", "push", art.key, "--remote", f"{sshd}:{remote_dir}", "--store", str(local.root)]
+    assert runner.invoke(app, push).exit_code == 0
+    manifest = (art.path / "manifest.json").read_bytes()
+    pull = ["cache", "pull", art.key[:10], "--remote", f"{sshd}:{remote_dir}", "--store", str(local.root)]
+    res = runner.invoke(app, pull)
+    assert res.exit_code == 2 and "already in the local store" in res.output and "--force" in res.output
+    assert (art.path / "manifest.json").read_bytes() == manifest
+    assert not (art.path / "origin.json").exists(), "the local artifact keeps its local (trusted) origin"
+    assert [p.name for p in local.root.iterdir() if p.name.startswith(".tmp-")] == [], (
+        "refused before copying"
+    )
+    res = runner.invoke(app, [*pull, "--force"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((art.path / "origin.json").read_text())["origin"] == "remote"

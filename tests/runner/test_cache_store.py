@@ -85,7 +85,7 @@ def test_cli_list_show_verify_prune(store: Store, tmp_path: Path) -> None:
     raw[len(raw) // 2] ^= 0xFF
     a.archive.write_bytes(bytes(raw))
     res = runner.invoke(app, ["cache", "verify", a.key, "--store", str(store.root)])
-    assert res.exit_code == 1 and "does not match" in res.output, res.output
+    assert res.exit_code == 2 and "does not match" in res.output, res.output  # a broken entry: bad input
     res = runner.invoke(app, ["cache", "prune", "--keep", "1", "--store", str(store.root)])
     assert res.exit_code == 0, res.output
     assert store.artifact_keys() == [b.key], "the newest artifact is kept"
@@ -94,9 +94,12 @@ def test_cli_list_show_verify_prune(store: Store, tmp_path: Path) -> None:
 def test_prune_older_than(store: Store, tmp_path: Path) -> None:
     a = make_artifact(store, tmp_path, tag="a")
     now = a.created + dt.timedelta(days=8)
-    assert [x.key for x in store.prune(older_than=parse_age("7d"), now=now, dry_run=True)] == [a.key]
-    assert store.prune(older_than=parse_age("9d"), now=now) == []
-    assert store.prune(keep=1, older_than=parse_age("7d"), now=now) == [], "--keep protects the newest"
+    assert [x.key for x in store.prune(older_than=parse_age("7d"), now=now, dry_run=True).removed] == [a.key]
+    assert store.prune(older_than=parse_age("9d"), now=now).removed == []
+    assert store.prune(keep=1, older_than=parse_age("7d"), now=now).removed == [], (
+        "--keep protects the newest"
+    )
+    assert store.prune(now=now).removed == [], "without --keep or --older-than no artifact goes"
     store.prune(older_than=parse_age("1h"), now=now)
     assert store.artifact_keys() == []
     with pytest.raises(ArtifactError, match="not understood"):
@@ -183,6 +186,6 @@ def test_unreadable_signing_key_is_a_clear_error(store: Store, tmp_path: Path, m
     result = CliRunner().invoke(app, ["cache", "list", "--store", str(store.root)])
     # Rich wraps to the terminal width, even inside a path: compare with whitespace removed.
     text = "".join((result.output + (result.stderr if result.stderr_bytes is not None else "")).split())
-    assert result.exit_code == 1, text
+    assert result.exit_code == 2, text  # a config value that names no file: bad input
     for want in ("[cache]ed25519_private_key", str(missing), "fixthepath"):
         assert want in text, (want, text)

@@ -35,7 +35,7 @@ def test_bad_config_lists_every_error_by_key(tmp_path: Path) -> None:
         *[a for s in sets for a in ("--set", s)],
         check=False,
     )
-    assert out.returncode == 1
+    assert out.returncode == 2
     for key in ("train.lr", "run.status_interval_s", "pipeline.targets"):
         assert key in out.stderr, out.stderr
     _nothing_left(cli, tmp_path)
@@ -44,7 +44,7 @@ def test_bad_config_lists_every_error_by_key(tmp_path: Path) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
     out = cli("run", str(tmp_path / "nope.toml"), "--runs-root", str(cli.runs), check=False)
-    assert out.returncode == 1 and "not found" in out.stderr
+    assert out.returncode == 2 and "not found" in out.stderr  # bad input
 
 
 def test_missing_tmux_is_named(tmp_path: Path) -> None:
@@ -79,20 +79,20 @@ def test_missing_tmux_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "host,message",
+    "host,message,code",
     [
-        ("root@127.0.0.1:1", "cannot log in to root@127.0.0.1:1"),
-        ("-oProxyCommand=touch /tmp/dflash-pwned", "is not USER@HOST"),
-        ("root@no-such-host.invalid", "cannot log in"),
+        ("root@127.0.0.1:1", "cannot log in to root@127.0.0.1:1", 1),
+        ("-oProxyCommand=touch /tmp/dflash-pwned", "is not USER@HOST", 2),  # bad input
+        ("root@no-such-host.invalid", "cannot log in", 1),
     ],
 )
-def test_unreachable_or_bad_hosts(tmp_path: Path, host: str, message: str) -> None:
+def test_unreachable_or_bad_hosts(tmp_path: Path, host: str, message: str, code: int) -> None:
     cli = Cli(
         tmp_path,
         DFLASH_SSH_OPTS="-o ConnectTimeout=5 -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
     )
     out = cli("run", DEMO, "--host", host, "--name", "bad", "--runs-root", str(cli.runs), check=False)
-    assert out.returncode == 1 and message in out.stderr, out.stderr
+    assert out.returncode == code and message in out.stderr, out.stderr
     assert not Path("/tmp/dflash-pwned").exists()
     _nothing_left(cli, tmp_path)
 
@@ -119,7 +119,7 @@ def test_unreachable_docker_daemon(tmp_path: Path) -> None:
 def test_image_needs_docker_backend(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
     out = cli("run", DEMO, "--image", "x", "--runs-root", str(cli.runs), check=False)
-    assert out.returncode == 1 and "--backend docker" in out.stderr
+    assert out.returncode == 2 and "--backend docker" in out.stderr
 
 
 def test_dry_run_starts_nothing(tmp_path: Path) -> None:

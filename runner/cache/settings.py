@@ -1,0 +1,48 @@
+"""The `[cache]` table of dflashctl's config file, `~/.config/dflashctl/config.toml` (respecting
+XDG_CONFIG_HOME). Settings besides the signing keys (runner/cache/signing.py):
+
+    [cache]
+    keep_previous = 2   # restore keeps the last N previous caches as <dest>.prev-<timestamp>; 0 keeps none
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from runner.envs import tomllib  # the one 3.10 fallback shim
+from runner.errors import BadInput
+
+DEFAULT_KEEP_PREVIOUS = 2
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "dflashctl" / "config.toml"
+
+
+def cache_table(path: Path | None = None) -> dict[str, Any]:
+    """The [cache] table ({} without a config file); a file that is not TOML is refused."""
+    cfg_file = path or config_path()
+    if not cfg_file.is_file():
+        return {}
+    try:
+        table = tomllib.loads(cfg_file.read_text()).get("cache", {})
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"{cfg_file} is not valid TOML: {e}; fix it or move it aside") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read {cfg_file}: {e}; fix its permissions or move it aside") from None
+    if not isinstance(table, dict):
+        raise BadInput(f"{cfg_file}: `cache` must be a table ([cache]), not {type(table).__name__}")
+    return table
+
+
+def keep_previous(path: Path | None = None) -> int:
+    value = cache_table(path).get("keep_previous", DEFAULT_KEEP_PREVIOUS)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadInput(
+            f"[cache] keep_previous = {value!r} in {path or config_path()}: use a whole number >= 0 "
+            f"(previous caches a restore keeps; default {DEFAULT_KEEP_PREVIOUS})"
+        )
+    return value
