@@ -200,49 +200,22 @@ def run(
 
 def copy_to(host: str | None, local: str, remote: str) -> None:
     """Copy a local file or directory to host:remote (a plain copy when host is None)."""
-    if host is None:
-        run(None, ["cp", "-a", local, remote])
-        return
-    h = parse_host(host)
-    run(
-        None,
-        [
-            "scp",
-            "-q",
-            "-r",
-            "-o",
-            "BatchMode=yes",
-            *_scp_opts(),
-            *_port(h, "-P"),
-            *_master(h),
-            "--",
-            local,
-            f"{_scp_dest(h)}:{remote}",
-        ],
-    )
+    _copy(host, local, remote, upload=True)
 
 
 def copy_from(host: str | None, remote: str, local: str) -> None:
+    """Copy host:remote (a file or directory) to a local path (a plain copy when host is None)."""
+    _copy(host, remote, local, upload=False)
+
+
+def _copy(host: str | None, src: str, dst: str, *, upload: bool) -> None:
     if host is None:
-        run(None, ["cp", "-a", remote, local])
+        run(None, ["cp", "-a", src, dst])
         return
     h = parse_host(host)
-    run(
-        None,
-        [
-            "scp",
-            "-q",
-            "-r",
-            "-o",
-            "BatchMode=yes",
-            *_scp_opts(),
-            *_port(h, "-P"),
-            *_master(h),
-            "--",
-            f"{_scp_dest(h)}:{remote}",
-            local,
-        ],
-    )
+    src, dst = (src, f"{_scp_dest(h)}:{dst}") if upload else (f"{_scp_dest(h)}:{src}", dst)
+    opts = ["-q", "-r", "-o", "BatchMode=yes", *_scp_opts(), *_port(h, "-P"), *_master(h)]
+    run(None, ["scp", *opts, "--", src, dst])
 
 
 def _scp_dest(h: Host) -> str:
