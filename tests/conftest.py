@@ -17,6 +17,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 REQUIRE_REAL = os.environ.get("DFLASH_REQUIRE_REAL") == "1"
 
+# One thread per process, set before anything imports torch: the job tests run two or three job
+# processes at once on CI's two cores, and with every process at one thread the job's drafters,
+# targets and warm compile under one thread count: one compile context instead of two (inductor
+# keys CPU graphs by thread count), half the warm time. The tests of the thread rule set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _docker_ok() -> bool:
     if not shutil.which("docker"):

@@ -104,8 +104,8 @@ def register(app: typer.Typer) -> None:
                     code = session.exit_code()
                     if as_json:
                         out = [
-                            {"node_rank": hw.host.node_rank, "host": hw.host.host or "local",
-                             **snapshot_json(hw.snap, hw.findings)}
+                            {**snapshot_json(hw.snap, hw.findings), "node_rank": hw.host.node_rank,
+                             "ssh_host": hw.host.host}
                             for hw in session.hosts if hw.snap is not None
                         ]  # fmt: skip
                         typer.echo(

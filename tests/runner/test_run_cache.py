@@ -10,7 +10,9 @@ from run_cli import DEMO, REPO, Cli, events
 
 
 def test_warm_restore_then_reuse(tmp_path: Path) -> None:
-    cli = Cli(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    cli = Cli(tmp_path, HOME=str(home))  # its own managed caches: nothing there to reuse yet
     sets = ["train.total_steps=4", "train.checkpoint_every=4", "run.status_interval_s=1"]
     args = ["--runs-root", str(cli.runs), *[a for s in sets for a in ("--set", s)]]
     cli("run", DEMO, "--backend", "foreground", "--warm", "--name", "wa", *args, timeout=900)
@@ -20,7 +22,7 @@ def test_warm_restore_then_reuse(tmp_path: Path) -> None:
     runner = json.loads((run_dir / "run.json").read_text())["runner"]
     assert runner["cache_action"] == "warm" and runner["cache_key"]
     cache_dir = Path(runner["cache_dir"])
-    assert cache_dir == cli.home / ".cache" / "dflashctl" / "compile" / runner["cache_key"]
+    assert cache_dir == home / ".cache" / "dflashctl" / "compile" / runner["cache_key"]
     assert json.loads((cache_dir / "artifact.json").read_text())["key"] == runner["cache_key"]
     assert runner["env"]["DFLASH_EXPECT_WARM_CACHE"] == "1"
     assert events(run_dir, "cache_miss") == [], "the restored artifact did not cover the job's compile"

@@ -123,7 +123,8 @@ def test_image_needs_docker_backend(tmp_path: Path) -> None:
 
 
 def test_dry_run_starts_nothing(tmp_path: Path) -> None:
-    cli = Cli(tmp_path)
+    (tmp_path / "home").mkdir()
+    cli = Cli(tmp_path, HOME=str(tmp_path / "home"))  # its own compile caches: none restored yet
     out = cli("run", DEMO, "--runs-root", str(cli.runs), "--dry-run", "--json")
     import json
 

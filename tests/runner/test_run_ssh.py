@@ -49,6 +49,13 @@ def test_run_over_ssh_then_ps_logs_stop(tmp_path: Path, sshd_server) -> None:  #
     assert "step=" in cli("logs", "sh", "-n", "100").stdout
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["runner"]["hosts"] == [sshd_server.host] and manifest["config"]
+    # watch's sampler runs on the host through the same ssh path (the bundle fed to python3 -).
+    snap = json.loads(cli("watch", "sh", "--once", "--json", check=False).stdout)
+    (node,) = snap["hosts"]
+    assert node["ssh_host"] == sshd_server.host and node["node_rank"] == 0, node
+    workers = {w["name"]: w for w in node["workers"]}
+    assert workers["drafter-0"]["alive"] and workers["target-0"]["alive"], workers
+    assert snap["exit_code"] in (0, 1, 2) and "findings" in node
     pids = recorded_pids(run_dir)
     result = json.loads(cli("stop", "sh", "--json", timeout=400).stdout)
     assert result["graceful"] and result["state"] == "stopped"
