@@ -64,9 +64,20 @@ def hold_lock(root: Path, lock: Path, pid: int) -> None:
 # ---- the run directory ---------------------------------------------------------------------------
 
 
+def own_start_time() -> float:
+    """When this process started: a heartbeat names its process by (pid, started_at), and started_at
+    is written just after a worker starts. The pytest process can be older than watch's tolerance
+    (30 min) when the whole suite runs, so `now` would name a different process."""
+    import psutil
+
+    return psutil.Process().create_time() + 1.0
+
+
 def write_heartbeat(run_dir: Path, name: str, **fields: Any) -> dict[str, Any]:
     role, _, index = name.rpartition("-")
     now = time.time()
+    if fields.get("pid", os.getpid()) == os.getpid():
+        fields.setdefault("started_at", own_start_time())
     hb = {
         "pid": os.getpid(),
         "host": "gpu-host",

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_watch_fakes import add_proc, hold_lock, proc_root
+from test_watch_fakes import add_proc, hold_lock, own_start_time, proc_root
 
 from runner.watch.procinfo import ProcessProbe, ProcFS, lock_holder_pids
 
@@ -98,7 +98,7 @@ def test_measure_cpu_percent_and_rss_from_procfs(proc: Path) -> None:
 def test_real_process_with_and_without_psutil(use_psutil: bool) -> None:
     probe = ProcessProbe(use_psutil=use_psutil)
     assert probe.uses_psutil is use_psutil
-    me = probe.resolve(os.getpid(), time.time(), "")
+    me = probe.resolve(os.getpid(), own_start_time(), "")
     assert me == os.getpid()
     m = probe.measure(os.getpid())
     assert m["alive"] is True and m["proc_state"] in ("running", "sleeping") and m["rss_mb"] > 10
