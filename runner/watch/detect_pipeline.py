@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runner.watch.findings import Finding
+from runner.watch.findings import Finding, Severity
 from runner.watch.signals import (
     fmt_duration,
     fmt_pct,
@@ -89,34 +89,31 @@ def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             )
         )
         if working:
-            return [
-                Finding(
-                    severity="info",
-                    kind="drafters_bottleneck",
-                    subject="pipeline",
-                    message=(
-                        f"drafters are the slower half: the targets' prefetch queues are full and hidden "
-                        f"states are taken as soon as they are ready ({queues}); every drafter is stepping. "
-                        f"{_rates(p)}"
-                    ),
-                    advice="more drafter GPUs (pipeline.drafters) would raise throughput; fewer targets would do",
-                    numbers={**numbers, "idle_drafter_gpus": []},
-                )
-            ]
+            severity: Severity = "info"
+            message = (
+                f"drafters are the slower half: the targets' prefetch queues are full and hidden "
+                f"states are taken as soon as they are ready ({queues}); every drafter is stepping. "
+                f"{_rates(p)}"
+            )
+            advice = "more drafter GPUs (pipeline.drafters) would raise throughput; fewer targets would do"
+        else:
+            severity = "critical"
+            message = (
+                f"drafters are the bottleneck: every target's prefetch queue is full and no hidden states "
+                f"are waiting ({queues}) while the target GPUs are {targets}: the targets are blocked, "
+                f"not slow. Idle drafter GPUs: {idle_words or 'none'}. {_rates(p)}"
+            )
+            advice = (
+                "a dead or stuck drafter holds the transport's slots: see the drafter findings; restarting "
+                "the drafter group releases them and keeps the targets"
+            )
         return [
             Finding(
-                severity="critical",
+                severity=severity,
                 kind="drafters_bottleneck",
                 subject="pipeline",
-                message=(
-                    f"drafters are the bottleneck: every target's prefetch queue is full and no hidden states "
-                    f"are waiting ({queues}) while the target GPUs are {targets}: the targets are blocked, "
-                    f"not slow. Idle drafter GPUs: {idle_words or 'none'}. {_rates(p)}"
-                ),
-                advice=(
-                    "a dead or stuck drafter holds the transport's slots: see the drafter findings; restarting "
-                    "the drafter group releases them and keeps the targets"
-                ),
+                message=message,
+                advice=advice,
                 numbers={**numbers, "idle_drafter_gpus": [g for g, _, _ in idle]},
             )
         ]
