@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -83,9 +84,10 @@ def _config_on_host(config: Path, env: JobEnv) -> Iterator[str]:
     if env.host is None:
         path = str(config.resolve())
     else:
-        rdir = remote.run(
-            env.host, ["sh", "-c", 'umask 077; mkdir -p "$HOME/.cache/dflashctl" && mktemp -d "$HOME/.cache/dflashctl/preflight-XXXXXX"']
-        ).stdout.decode().strip()  # fmt: skip
+        # A random name made here, as warm-cache's work dir is: the host needs only a POSIX shell.
+        name = f"$HOME/.cache/dflashctl/preflight-{secrets.token_hex(8)}"
+        script = f'umask 077 && mkdir -p "{name}" && cd "{name}" && pwd'
+        rdir = remote.run(env.host, ["sh", "-c", script]).stdout.decode().strip()
         path = f"{rdir}/{config.name}"
         remote.copy_to(env.host, str(config), path)
     try:
