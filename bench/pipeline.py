@@ -278,13 +278,13 @@ def bench_drafter(cfg: Any, target_dir: Path, mask_id: int, args: argparse.Names
     from dflash.model import resolve_spec
     from dflash.session import torch_dtype
     from dflash.target import load_frozen_head
-    from dflash.trainer import DrafterTrainer, rows_for_length
+    from dflash.trainer import DrafterTrainer
 
     dev = torch.device(device)
     spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(str(target_dir)), mask_id)
     embed, head, _ = load_frozen_head(str(target_dir), dtype=torch_dtype(cfg.target.dtype), device=dev)
     trainer = DrafterTrainer(cfg, spec, embed, head, dev)
-    B, L = rows_for_length(cfg, args.seq_len), args.seq_len
+    B, L = trainer.plan.rows_for(args.seq_len), args.seq_len
     gen = torch.Generator().manual_seed(0)
     ids_BL = torch.randint(0, spec.vocab_size, (B, L), generator=gen).to(dev)
     mask_BL = torch.ones(B, L, dtype=torch.bool, device=dev)

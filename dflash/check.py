@@ -155,15 +155,13 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
             report.error(key, f"{', '.join(missing)}: not on this host, which has {seen}")
     if len(report.errors) > before:
         return  # worker_devices below would refuse the same lists
-    drafter_gpus = [i for d in worker_devices(cfg)[1] if (i := _cuda_index(d)) is not None]
-    if len(set(drafter_gpus)) < len(drafter_gpus):
-        key = "pipeline.drafter_devices" if p.drafter_devices else "pipeline.drafters"
-        shared = ", ".join(f"cuda:{i}" for i in drafter_gpus)
-        report.error(
-            key,
-            f"drafters share a GPU ({shared}): NCCL refuses two ranks on one device; "
-            "give each drafter its own GPU, or lower pipeline.drafters",
-        )
+    from dflash.placement import placement_problems
+
+    targets, drafters = worker_devices(cfg)
+    for problem in placement_problems(cfg, targets, drafters, device_count=None):
+        # Unlisted devices are derived: then the worker counts are what to change.
+        key = problem.key if getattr(p, problem.key.split(".")[1]) else "pipeline.drafters"
+        report.error(key, problem.problem)
 
 
 def _check_data(cfg: JobConfig, report: Report) -> None:

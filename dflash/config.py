@@ -151,6 +151,10 @@ class RunConfig:
     """cpu | cuda | auto (cuda when available)."""
     status_interval_s: Annotated[float, Positive] = 10.0
     """Seconds between status lines / metrics.jsonl records."""
+    memory_headroom_gb: Annotated[float, AtLeast0] = 4.0
+    """Device memory (GiB) kept free beyond the peak that warm-cache measured for the heaviest planned
+    shape (the CUDA context, NCCL and the transport are not in that peak). warm-cache refuses a plan
+    that does not fit the device less this, and so does the job when a restored artifact says so."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -303,6 +307,11 @@ class TrainConfig:
     token_budget: Annotated[int, AtLeast1] = 49152
     """Max sequence tokens (padded) per drafter batch: at least data.max_seq_len rounded up to
     data.bucket_multiple, so that the longest sequence fits."""
+    block_token_budget: Annotated[int, AtLeast0] = 0
+    """Max block tokens (rows x anchors per row x drafter.block_size) per drafter batch: the drafter's
+    real work, which a sequence-token budget does not bound (a short bucket fits many more rows,
+    each with as many anchors as a long one). 0 = the longest bucket's block tokens, so that no
+    bucket is heavier for the drafter than the longest one. See dflash.shapes."""
     max_batch_size: Annotated[int, AtLeast1] = 64
     num_anchors: Annotated[int, AtLeast1] = 512
     """Anchors sampled per sequence among loss positions."""
@@ -395,6 +404,15 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "raise train.token_budget or lower data.max_seq_len",
         )
         problems.append((problem, ("train.token_budget", "data.max_seq_len", "data.bucket_multiple")))
+    one_row = min(t.num_anchors, max(1, longest - 1)) * cfg.drafter.block_size
+    if t.block_token_budget and t.block_token_budget < one_row:
+        problem = ConfigError(
+            "train.block_token_budget",
+            f"({t.block_token_budget}) is smaller than one row of the longest bucket: {one_row} block "
+            f"tokens (train.num_anchors {t.num_anchors} x drafter.block_size {cfg.drafter.block_size}); "
+            "raise it, lower train.num_anchors, or set 0 to derive it",
+        )
+        problems.append((problem, ("train.block_token_budget", "train.num_anchors", "drafter.block_size")))
     if t.lr * t.weight_decay >= 1:
         problem = ConfigError(
             "train.weight_decay",

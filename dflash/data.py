@@ -26,6 +26,7 @@ import torch
 from dflash.config import DataConfig
 from dflash.errors import DFlashError
 from dflash.rundir import atomic_write_bytes, unusable_reason
+from dflash.shapes import ShapePlan
 from dflash.tokenizer import RecordError, Tokenizer
 
 CACHE_FORMAT = "tokcache-v1"
@@ -410,16 +411,10 @@ class Batch:
         return self.input_ids_BL.numel()
 
 
-def bucket_rows(token_budget: int, max_batch_size: int, bucket_len: int) -> int:
-    """Rows of every batch of one length bucket. The batcher fills batches to it and the trainer pads
-    to it, so each bucket is one shape (one compile): both must use this one formula."""
-    return max(1, min(max_batch_size, token_budget // bucket_len))
-
-
 class TokenBudgetBatcher:
     """Endless batches: per epoch the samples are permuted (seed + epoch), each goes to the bucket of its
     length rounded up to bucket_multiple, and a bucket is emitted once it holds as many rows as fit
-    (min(max_batch_size, token_budget // bucket_len)); leftovers close the epoch as smaller batches.
+    (the shape plan's rows for that bucket, dflash.shapes); leftovers close the epoch as smaller batches.
     The epoch's global batch list is the same on every rank; rank r takes batches r, r+W, ... and the
     last (< W) batches are dropped so that every rank runs the same number of steps."""
 
@@ -427,9 +422,7 @@ class TokenBudgetBatcher:
         self,
         ds: TokenizedDataset,
         *,
-        token_budget: int,
-        max_batch_size: int,
-        bucket_multiple: int,
+        plan: ShapePlan,
         seed: int,
         shuffle: bool,
         rank: int = 0,
@@ -437,23 +430,22 @@ class TokenBudgetBatcher:
     ) -> None:
         if not 0 <= rank < world_size:
             raise DFlashError(f"data rank {rank} is outside world size {world_size}")
-        if max_batch_size < 1 or bucket_multiple < 1:
-            raise DFlashError("train.max_batch_size and data.bucket_multiple must be >= 1")
         self.ds = ds
-        self.token_budget = token_budget
-        self.max_batch_size = max_batch_size
-        self.bucket_multiple = bucket_multiple
+        self.shapes = plan
+        self.bucket_multiple = plan.bucket_multiple
         self.seed = seed
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
         self._lengths = ds.lengths  # np.diff over every offset: once, not per batch
-        self._bucket_len = (self._lengths + bucket_multiple - 1) // bucket_multiple * bucket_multiple
-        longest = int(self._bucket_len.max())
-        if longest > token_budget:
+        m = self.bucket_multiple
+        self._bucket_len = (self._lengths + m - 1) // m * m
+        outside = sorted(set(np.unique(self._bucket_len).tolist()) - set(plan.lengths))
+        if outside:
             raise DFlashError(
-                f"train.token_budget ({token_budget}) is smaller than the longest padded sequence ({longest}); "
-                "raise train.token_budget or lower data.max_seq_len"
+                f"the data has sequences padded to {outside[:5]} tokens, outside the shape plan's buckets "
+                f"{plan.lengths}: raise train.token_budget to at least {max(outside)} or lower "
+                "data.max_seq_len"
             )
         self.epoch = 0
         self.index = 0
@@ -461,7 +453,7 @@ class TokenBudgetBatcher:
         self._plan: list[list[int]] = []
 
     def rows_for(self, bucket_len: int) -> int:
-        return bucket_rows(self.token_budget, self.max_batch_size, bucket_len)
+        return self.shapes.rows_for(bucket_len)
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
         n = len(self.ds)
@@ -536,9 +528,10 @@ class TokenBudgetBatcher:
         return {
             "num_samples": len(self.ds),
             "num_tokens": self.ds.num_tokens,
-            "token_budget": self.token_budget,
-            "max_batch_size": self.max_batch_size,
+            "token_budget": self.shapes.token_budget,
+            "block_token_budget": self.shapes.block_token_budget,
             "bucket_multiple": self.bucket_multiple,
+            "rows": self.shapes.buckets(),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "rank": self.rank,

@@ -78,21 +78,6 @@ def env_fingerprint(device_type: str) -> dict[str, Any]:
     return env
 
 
-def shape_buckets(cfg: Any) -> list[list[int]]:
-    """Every (rows, padded length) the trainer can produce: one per length bucket (the trainer pads a
-    bucket's short batches up to its row count, so each bucket is exactly one shape)."""
-    from dflash.trainer import rows_for_length
-
-    m = cfg.data.bucket_multiple
-    lo = -(-cfg.data.min_seq_len // m) * m
-    hi = -(-cfg.data.max_seq_len // m) * m
-    return [
-        [rows_for_length(cfg, length), length]
-        for length in range(max(lo, m), hi + 1, m)
-        if length <= cfg.train.token_budget
-    ]
-
-
 def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
     """What the target's compiled layers depend on: nothing when it is not compiled; else its
     architecture (config.json, which the kept layers are built from) and how many layers are kept."""
@@ -114,9 +99,11 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
 
 
 def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
+    from dflash.shapes import shape_plan
+
     return {
         "target": target_fingerprint(cfg, spec, target_path),
-        "shapes": shape_buckets(cfg),
+        "shape_plan": shape_plan(cfg, target_path=target_path).to_dict(),
         "num_anchors": cfg.train.num_anchors,
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "target_dtype": cfg.target.dtype,
@@ -137,7 +124,7 @@ def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
 
     from dflash.model import resolve_spec
     from dflash.session import resolve_target
-    from dflash.trainer import resolve_backend, resolve_device
+    from dflash.resolve import resolve_backend, resolve_device
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)

@@ -58,15 +58,13 @@ LOCAL_ENDPOINT = "127.0.0.1:0"
 
 def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
     """The largest batch the targets can publish: each length bucket pads to a fixed row count."""
-    from dflash.resolve import rows_for_length
+    from dflash.shapes import shape_plan
 
     if cfg.pipeline.slot_mb:
         return cfg.pipeline.slot_mb << 20
-    m = cfg.data.bucket_multiple
     largest = 0
-    for length in range(m, -(-cfg.data.max_seq_len // m) * m + 1, m):
-        rows = rows_for_length(cfg, length)
-        largest = max(largest, rows * length * (features * elem_bytes + 8 + 1) + rows * 8)
+    for s in shape_plan(cfg).shapes:
+        largest = max(largest, s.rows * s.length * (features * elem_bytes + 8 + 1) + s.rows * 8)
     return largest + (1 << 16)  # headers and alignment
 
 
@@ -178,6 +176,11 @@ class Supervisor:
     """After a stop, the drafters get this long to checkpoint and exit before they are killed."""
     signals: int = 0
     metrics_offset: int = 0
+    events_offset: int = 0
+    early_errors: dict[int, str] = field(default_factory=dict)
+    """generation -> the error a drafter of that generation failed with before its first step."""
+    error: str = ""
+    """The deterministic error that stopped the job (see repeated_early_failure)."""
     launched_at: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
     """The data counts (TokenizedDataset.summary) of the data the targets read."""
@@ -197,6 +200,8 @@ class Supervisor:
                 p.kill_tree(wait=False)
 
     def start(self, queue_name: str) -> None:
+        # Failures are judged from this launch's events only (a resumed run has older generations).
+        self.events_offset = self.run.events.stat().st_size if self.run.events.exists() else 0
         target_devs, _ = worker_devices(self.cfg)
         T = self.cfg.pipeline.targets
         for i, dev in enumerate(target_devs):
@@ -267,11 +272,35 @@ class Supervisor:
         for rec in records:
             print(format_status_line(rec), flush=True)
 
+    def repeated_early_failure(self) -> str | None:
+        """The error text when two consecutive drafter-group generations failed with the same error
+        before their first step: deterministic (a bad placement, a checkpoint of another drafter, a
+        broken environment), so a restart cannot help and each would spend the same minutes."""
+        records, self.events_offset = read_jsonl_from(self.run.events, self.events_offset)
+        for rec in records:
+            if rec.get("event") == "worker_error" and rec.get("before_first_step"):
+                gen = rec.get("generation")
+                if isinstance(gen, int):
+                    self.early_errors.setdefault(gen, str(rec.get("error", "")))
+        for gen, text in self.early_errors.items():
+            if gen > 0 and self.early_errors.get(gen - 1) == text:
+                return text
+        return None
+
     def watch(self) -> int:
         assert self.drafters is not None
         while True:
             time.sleep(0.5)
             self.echo_metrics()
+            repeated = None if self.stopping else self.repeated_early_failure()
+            if repeated is not None:
+                self.error = repeated
+                self.stopping = (
+                    "the drafter group failed twice in a row with the same error before its first step, "
+                    f"so no restart can help (stopped without spending the rest): {repeated}"
+                )
+                self.drafters.kill_tree()
+                return self.drafters.poll() or 1
             for proc in self.targets:
                 code = proc.poll()
                 if code is None or self.stopping:
@@ -317,7 +346,11 @@ class Supervisor:
             proc.kill_tree()
         self.echo_metrics()
         if self.stopping:
-            return {"reason": self.stopping, "drafter_exit_code": drafter_code}
+            return {
+                "reason": self.stopping,
+                "drafter_exit_code": drafter_code,
+                **({"error": self.error} if self.error else {}),
+            }
         if drafter_code == 0:
             return {"reason": "completed", "drafter_exit_code": 0}
         log = _tail(self.drafters.log, self.drafters.log_start) if self.drafters else ""
@@ -435,6 +468,9 @@ def launch(args: argparse.Namespace) -> int:
     worker_devices(cfg)  # refuses device lists that do not match the worker counts, before anything starts
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
+    from dflash.placement import preflight
+
+    preflight(cfg, *worker_devices(cfg), parts.target_path)  # placement and memory, before any worker
     spec = resolve_drafter_spec(cfg, parts)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     elem = torch_dtype(cfg.target.dtype).itemsize

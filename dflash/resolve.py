@@ -1,5 +1,5 @@
 """What a job config resolves to on this machine, decided without building a model: device,
-attention backend, kernel strictness, rows per length bucket, the captured target layers, and the
+attention backend, kernel strictness, the captured target layers, and the
 process state compiled code depends on (intra-op threads, DDP) for each kind of job process.
 
 The trainer, the launcher, the workers, warm-cache, the fingerprint and the config check
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from dflash.config import JobConfig
-from dflash.data import bucket_rows
 from dflash.errors import ConfigError
 
 
@@ -44,11 +43,6 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.attention.strict_kernels).lower()
     return device.type == "cuda" if s == "auto" else s == "true"
-
-
-def rows_for_length(cfg: JobConfig, length: int) -> int:
-    """Rows of every batch of one length bucket: batches are padded up to it so each bucket is one shape."""
-    return bucket_rows(cfg.train.token_budget, cfg.train.max_batch_size, length)
 
 
 def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:

@@ -208,11 +208,11 @@ def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
 def make_batcher(cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1) -> Any:
     from dflash.data import TokenBudgetBatcher
 
+    from dflash.shapes import shape_plan
+
     return TokenBudgetBatcher(
         dataset,
-        token_budget=cfg.train.token_budget,
-        max_batch_size=cfg.train.max_batch_size,
-        bucket_multiple=cfg.data.bucket_multiple,
+        plan=shape_plan(cfg),
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
         rank=rank,
@@ -267,14 +267,19 @@ class DrafterSide:
         from dflash.kernels import KernelGuard
         from dflash.model import resolve_spec
         from dflash.target import load_frozen_head
-        from dflash.trainer import DrafterTrainer, resolve_strict
+        from dflash.resolve import resolve_strict
+        from dflash.shapes import shape_plan
+        from dflash.trainer import DrafterTrainer
 
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
         embed, head, target_config = load_frozen_head(
             target_path, dtype=torch_dtype(cfg.target.dtype), device=device
         )
         self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
-        self.trainer = DrafterTrainer(cfg, self.spec, embed, head, device, rank=rank, world_size=world_size)
+        self.plan = shape_plan(cfg, target_path=target_path)
+        self.trainer = DrafterTrainer(
+            cfg, self.spec, embed, head, device, rank=rank, world_size=world_size, plan=self.plan
+        )
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
         self.guard.__enter__()
         self.compiles = CompileTracker(run, worker)
@@ -359,15 +364,18 @@ class Job:
     """Single-process job: one target and one drafter in turn (dflash.train)."""
 
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
-        from dflash.resolve import apply_worker_threads
+        from dflash.resolve import apply_worker_threads, resolve_device
         from dflash.target import TargetCapture
-        from dflash.trainer import resolve_device
 
         self.cfg, self.run = cfg, run
         apply_worker_threads("train")  # the thread count dflash.warm compiled the single-process job under
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.run.seed)
         parts = prepare_data(cfg, run)
+        from dflash.placement import preflight
+
+        # One process holds the target and the drafter on one device: the same checks as a pipeline.
+        preflight(cfg, [str(self.device)], [str(self.device)], parts.target_path)
         self.drafter = DrafterSide(cfg, run, parts.target_path, parts.mask_token_id, self.device)
         self.trainer = self.drafter.trainer
         self.target = TargetCapture(

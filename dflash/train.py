@@ -73,7 +73,7 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     try:
         while trainer.step < cfg.train.total_steps and not stop.requested:
             tgt_hb.set("computing")
-            ids, mask, lens = pad_batch(cfg, next(batches))
+            ids, mask, lens = pad_batch(trainer.plan, next(batches))
             hidden = job.target_forward(ids, lens)
             meter.add_target()
             tgt_hb.set("waiting_output", progress=True)

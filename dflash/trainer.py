@@ -21,10 +21,8 @@ from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
 
-# Decided in dflash.resolve (no model import there, for dflash.check); still importable from here.
-from dflash.resolve import resolve_backend, rows_for_length
-from dflash.resolve import resolve_device as resolve_device
-from dflash.resolve import resolve_strict as resolve_strict
+from dflash.resolve import resolve_backend
+from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
 
 def pad_rows(
@@ -42,17 +40,19 @@ def pad_rows(
     )
 
 
-def pad_batch(cfg: JobConfig, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, loss_mask, seq_lens) of a data batch, padded to its length bucket's fixed row count."""
-    rows = rows_for_length(cfg, batch.input_ids_BL.shape[1])
+def pad_batch(plan: ShapePlan, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask, seq_lens) of a data batch, padded to its length bucket's planned rows."""
+    rows = plan.rows_for(batch.input_ids_BL.shape[1])
     return pad_rows(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
 
 
-def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
+def apply_compile(model: DFlashDrafter, cfg: JobConfig, plan: ShapePlan) -> None:
     """Regional compile (torchtitan style): each decoder layer is compiled; identical layers share one
-    graph. The warm-cache entry point calls this same function, so warm and train hit the same graphs."""
+    graph per shape. The warm-cache entry point calls this same function, so warm and train hit the
+    same graphs; the recompile limit comes from the plan (every planned graph, nothing else)."""
     if not cfg.attention.compile:
         return
+    apply_recompile_limit(plan)
     for layer in model.layers:
         layer.compile(dynamic=False)
 
@@ -122,10 +122,12 @@ class DrafterTrainer:
         rank: int = 0,
         world_size: int = 1,
         on_step_compiled: Callable[[], None] | None = None,
+        plan: ShapePlan | None = None,
     ) -> None:
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
+        self.plan = plan if plan is not None else shape_plan(cfg)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = DFlashDrafter(
             spec,
@@ -135,7 +137,7 @@ class DrafterTrainer:
             sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
             compile=cfg.attention.compile,
         ).to(device)
-        apply_compile(model, cfg)
+        apply_compile(model, cfg, self.plan)
         self.model = model
         self.module: nn.Module = wrap_ddp(model, device) if world_size > 1 else model
         self.params = params = [p for p in model.parameters() if p.requires_grad]
@@ -169,7 +171,8 @@ class DrafterTrainer:
             x.to(dev, non_blocking=True) for x in (input_ids_BL, loss_mask_BL, seq_lens_B)
         )
         target_hidden_BLF = target_hidden_BLF.to(dev, non_blocking=True)
-        anchors_BA = sample_anchors(loss_mask_BL, seq_lens_B, self.cfg.train.num_anchors, self.anchor_gen)
+        shape = self.plan.check_batch(*input_ids_BL.shape)
+        anchors_BA = sample_anchors(loss_mask_BL, seq_lens_B, shape.anchors, self.anchor_gen)
         labels_BAK, valid_BAK = block_labels(
             input_ids_BL, loss_mask_BL, seq_lens_B, anchors_BA, self.spec.block_size
         )

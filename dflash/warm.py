@@ -22,13 +22,17 @@ environment the job runs in (same OMP_NUM_THREADS, same core count).
 Prints one JSON object per line (the protocol runner/cache/warmrun.py reads):
 
     {"event": "fingerprint", "key": ..., "fingerprint": {...}}
-    {"event": "plan", "shapes": [[rows, length], ...], "contexts": {"drafter": [...], "target": [...]}}
-    {"event": "shape", "part": "drafter"|"target", "index": i, "total": n, "shape": {"rows", "length"},
-     "seconds": s, "counters": {...}}
+    {"event": "plan", "shapes": [[rows, length], ...], "shape_plan": {...}, "contexts": {...}}
+    {"event": "shape", "part": "drafter"|"target", "index": i, "total": n,
+     "shape": {"rows", "length", "anchors"}, "seconds": s, "counters": {...},
+     "memory": {"peak_allocated", "peak_reserved"} (bytes; null off CUDA)}
     {"event": "done", "seconds": s, "counters": {...}}
 
-and writes DIR/warm.json ({key, fingerprint, shapes, contexts, seconds, counters}); a shape's
-counters and seconds cover all its contexts. Compiling from more than one thread of a process
+and writes DIR/warm.json ({key, fingerprint, shapes, contexts, seconds, counters, shape_plan,
+memory}); a shape's counters, seconds and peak memory cover all its contexts. `memory` is the
+record dflash.placement checks: per part, the peak device memory of every planned shape. A shape
+that runs out of memory, or a worst shape that does not fit the device less run.memory_headroom_gb,
+is refused (exit 2, naming the shape and what to change) and no warm.json is written. Compiling from more than one thread of a process
 deadlocks cold inductor caches (field fact), hence no threads here.
 """
 
@@ -95,26 +99,36 @@ class _ContextSwitch:
 def warm(cfg: Any, out: Path) -> dict[str, Any]:
     import torch
 
-    from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job, shape_buckets
+    from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job
     from dflash.kernels import KernelGuard, compile_counters
-    from dflash.resolve import compile_contexts
+    from dflash.placement import PeakMeter, device_total, fit_problems, is_oom, oom_error
+    from dflash.resolve import compile_contexts, resolve_strict
     from dflash.session import torch_dtype
+    from dflash.shapes import shape_plan
     from dflash.target import load_frozen_head
-    from dflash.trainer import DrafterTrainer, resolve_strict, wrap_ddp
+    from dflash.trainer import DrafterTrainer, wrap_ddp
 
     job = resolve_job(cfg)
     spec, device, _, target_path = job
     fp = cache_fingerprint(cfg, job=job)
     key = fingerprint_key(fp)
     _emit("fingerprint", key=key, fingerprint=fp)
-    shapes = shape_buckets(cfg)
+    plan = shape_plan(cfg, target_path=target_path)
     contexts = {"drafter": compile_contexts(cfg, "drafter", device)}
     if cfg.target.compile:
         contexts["target"] = compile_contexts(cfg, "target", device)
     plan_contexts = {part: [c.to_dict() for c in cs] for part, cs in contexts.items()}
-    _emit("plan", shapes=shapes, contexts=plan_contexts)
+    _emit("plan", shapes=plan.buckets(), shape_plan=plan.to_dict(), contexts=plan_contexts)
     embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
-    trainer = DrafterTrainer(cfg, spec, embed, head, device)
+    trainer = DrafterTrainer(cfg, spec, embed, head, device, plan=plan)
+    total_bytes = device_total(device)
+    memory: dict[str, Any] = {
+        "device": str(device),
+        "total_bytes": total_bytes,
+        "headroom_gb": cfg.run.memory_headroom_gb,
+        "drafter": {},
+        "target": {},
+    }
     degraded: list[dict[str, str]] = []
     guard = KernelGuard(
         lambda kind, detail: degraded.append({"kind": kind, "detail": detail}),
@@ -125,24 +139,35 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     per_shape: list[dict[str, Any]] = []
 
     def each_shape(part: str, switch: _ContextSwitch, run_one: Any) -> None:
-        for i, (rows, length) in enumerate(shapes, 1):
+        for i, shape in enumerate(plan.shapes, 1):
             before = compile_counters()
             t0 = time.perf_counter()
-            inputs = _synthetic_step_inputs(cfg, spec, rows, length, device)
-            for ctx in contexts[part]:
-                switch.enter(ctx)
-                run_one(inputs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                guard.check()
+            inputs = _synthetic_step_inputs(cfg, spec, shape.rows, shape.length, device)
+            meter = PeakMeter(device)
+            try:
+                with meter.measure():
+                    for ctx in contexts[part]:
+                        switch.enter(ctx)
+                        run_one(inputs)
+                        guard.check()
+            except Exception as e:
+                if is_oom(e):
+                    raise oom_error(part, shape, device, total_bytes) from None
+                raise
+            peak = None
+            if meter.reserved is not None:
+                peak = {"peak_allocated": meter.allocated, "peak_reserved": meter.reserved}
+                memory[part][shape.name] = peak
             record = {
                 "part": part,
-                "shape": {"rows": rows, "length": length},
+                "shape": {"rows": shape.rows, "length": shape.length, "anchors": shape.anchors},
                 "seconds": round(time.perf_counter() - t0, 3),
                 "counters": counters_delta(before, compile_counters()),
+                "memory": peak,
             }
             per_shape.append(record)
-            _emit("shape", index=i, total=len(shapes), **record)
+            _emit("shape", index=i, total=len(plan.shapes), **record)
+            del inputs
 
     with guard, _ddp_group_of_one(device if any(c.ddp for c in contexts["drafter"]) else None):
         wrapped: dict[str, Any] = {}
@@ -182,6 +207,11 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
             each_shape("target", _ContextSwitch(), forward_both)
     total = time.perf_counter() - started
     counters = counters_delta(start_counters, compile_counters())
+    problems = fit_problems(memory, total_bytes, cfg.run.memory_headroom_gb, where=str(device))
+    if problems:  # no artifact for a plan that cannot run: refused before any training
+        from dflash.placement import MemoryPlanError
+
+        raise MemoryPlanError(problems[0])
     stats = {
         "key": key,
         "fingerprint": fp,
@@ -191,6 +221,8 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
         "counters": counters,
         "degraded": degraded,
         "device": str(device),
+        "shape_plan": plan.to_dict(),
+        "memory": memory,
     }
     atomic_write_json(out / WARM_STATS, stats)
     _emit("done", seconds=round(total, 3), counters=counters)
@@ -229,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         # Everything but our JSON lines goes to stderr, so the runner's parser sees only events.
         with contextlib.redirect_stdout(sys.stderr):
             warm(cfg, out)
-    except DFlashError as e:
+    except DFlashError as e:  # bad input (config, data, a plan that does not fit): one line, exit 2
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

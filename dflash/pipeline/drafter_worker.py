@@ -159,6 +159,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     _redirect_output(run.log_path("drafter", g.rank))
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()
     stop = threading.Event()
+    stepped = False
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
@@ -207,6 +208,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
             t = lease.tensors
             hb.set("compiling" if side.compiles.is_new(tuple(t["input_ids"].shape)) else "computing")
             result = side.step(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"])
+            stepped = True
             hs.ack(lease)
             done_lease, lease = lease, None
             if log_batches:
@@ -264,7 +266,15 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         side.close()
         return 0
     except Exception as e:
-        run.event("worker_error", worker=worker, generation=g.generation, error=f"{type(e).__name__}: {e}")
+        # before_first_step: the supervisor stops a group that fails the same way twice in a row
+        # before any step (a deterministic error) instead of spending every restart on it.
+        run.event(
+            "worker_error",
+            worker=worker,
+            generation=g.generation,
+            before_first_step=not stepped,
+            error=f"{type(e).__name__}: {e}",
+        )
         print(f"{worker}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
     finally:

@@ -42,7 +42,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for batch in self.batcher:
-                ids, mask, lens = pad_batch(self.cfg, batch)
+                ids, mask, lens = pad_batch(self.batcher.shapes, batch)
                 item = (
                     {"input_ids": ids, "loss_mask": mask, "seq_lens": lens},
                     {
@@ -113,6 +113,10 @@ def run_target(
             batcher.load_state_dict(json.loads(state_path.read_text()))
         hb.set("computing", note="loading target")
         spec = resolve_drafter_spec(cfg, parts)
+        if cfg.target.compile:
+            from dflash.shapes import apply_recompile_limit, shape_plan
+
+            apply_recompile_limit(shape_plan(cfg, target_path=parts.target_path))
         target = TargetCapture(
             parts.target_path,
             spec.target_layer_ids,

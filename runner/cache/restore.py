@@ -136,6 +136,9 @@ def restore(
                         "from": str(art.path),
                         "signature": sig_status,
                         "forced_differences": [d[0] for d in diffs],
+                        # The peak device memory warm-cache measured per planned shape: the job
+                        # checks its placement and device against it before any worker starts.
+                        "memory": art.manifest.warm.get("memory"),
                     },
                     indent=1,
                 )

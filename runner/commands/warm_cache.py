@@ -43,11 +43,14 @@ def _progress(event: dict[str, Any]) -> None:
         console.print(f"compiling {len(event.get('shapes', []))} shape(s) in one process, one thread")
     elif kind == "shape":
         c = event.get("counters", {})
+        mem = event.get("memory")
+        peak = mem.get("peak_reserved") if isinstance(mem, dict) else None
         console.print(
             f"  {event.get('part', 'drafter')} [{event.get('index')}/{event.get('total')}] "
             f"{json.dumps(event.get('shape'))}: "
             f"{event.get('seconds', 0):.1f} s, fxgraph hits {c.get('fxgraph_hits', 0)} misses "
-            f"{c.get('fxgraph_misses', 0)}",
+            f"{c.get('fxgraph_misses', 0)}"
+            + (f", peak {peak / 2**30:.1f} GiB" if isinstance(peak, int) else ""),
             highlight=False,
         )
     elif kind == "done":

@@ -26,6 +26,7 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.toml"
 
 ALLOWED: dict[str, set[float]] = {
     "run.seed": {0},  # a seed like any other
+    "run.memory_headroom_gb": {0},  # no headroom: the measured peak may fill the device
     "drafter.mask_token_id": {0, -1},  # a token id; -1 = the tokenizer's mask token
     "drafter.target_layer_ids": {0},  # layer 0 of the target
     "drafter.hidden_size": {0},  # 0 = the target's (and the four sizes below)
@@ -38,6 +39,7 @@ ALLOWED: dict[str, set[float]] = {
     "train.warmup_steps": {0},  # no warmup
     "train.min_lr_ratio": {0},  # cosine down to zero
     "train.weight_decay": {0},  # off
+    "train.block_token_budget": {0},  # derived: the longest bucket's block tokens
     "train.betas": {0},  # no momentum / no second-moment averaging
     "pipeline.max_restarts": {0},  # no drafter-group restarts
     "pipeline.slot_mb": {0},  # derived from the batch shape

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from dflash.config import DataConfig
 from dflash.data import TokenBudgetBatcher, TokenizedDataset, load_dataset
 from dflash.demo import write_demo_corpus
 from dflash.errors import DFlashError
+from dflash.shapes import make_plan
 from dflash.tokenizer import ByteTokenizer
 
 
@@ -138,15 +140,20 @@ LENGTHS = [int(x) for x in np.random.default_rng(0).integers(9, 200, size=157)]
 
 
 def _batcher(ds: TokenizedDataset, **kw: object) -> TokenBudgetBatcher:
-    args: dict[str, object] = {
+    """A batcher over a plan of budgets alone (block_token_budget so large it never binds, unless given)."""
+    budgets: dict[str, Any] = {
         "token_budget": 512,
         "max_batch_size": 6,
         "bucket_multiple": 32,
-        "seed": 1,
-        "shuffle": True,
+        "block_token_budget": 10**9,
+        "num_anchors": 8,
     }
-    args.update(kw)
-    return TokenBudgetBatcher(ds, **args)  # type: ignore[arg-type]
+    for k in list(kw):
+        if k in budgets:
+            budgets[k] = kw.pop(k)
+    plan = make_plan(min_seq_len=1, max_seq_len=int(max(ds.lengths)), block_size=16, **budgets)
+    args: dict[str, Any] = {"seed": 1, "shuffle": True, **kw}
+    return TokenBudgetBatcher(ds, plan=plan, **args)
 
 
 def test_batcher_budget_buckets_and_coverage() -> None:
@@ -227,6 +234,8 @@ def test_batcher_rejects_changed_settings_and_impossible_budgets() -> None:
     state = _batcher(ds).state_dict()
     with pytest.raises(DFlashError, match="token_budget: saved 512, now 1024"):
         _batcher(ds, token_budget=1024).load_state_dict(state)
+    with pytest.raises(DFlashError, match="block_token_budget: saved 1000000000, now 256"):
+        _batcher(ds, block_token_budget=256).load_state_dict(state)
     with pytest.raises(DFlashError, match="train.token_budget"):
         _batcher(ds, token_budget=128)
     with pytest.raises(DFlashError, match="fewer batches than there are data ranks"):

@@ -283,3 +283,30 @@ def test_launch_arguments_are_checked_before_anything_starts(repo, capsys):
     assert "--node-rank 2 must be in 0..1" in capsys.readouterr().err
     assert main([config, "--plan", "--nnodes", "0"]) == 2
     assert "--nnodes must be >= 1" in capsys.readouterr().err
+
+
+def test_same_error_before_the_first_step_twice_stops_at_once(repo, tmp_path):
+    """A drafter group that fails the same deterministic way in two consecutive generations (here: the
+    run directory holds a checkpoint of another drafter) stops the job there, the error in the
+    stopped event, instead of spending all of pipeline.max_restarts on it."""
+    from dflash.checkpoint import save_checkpoint
+
+    run_dir = tmp_path / "run"
+    other = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "sliding_window": 3}
+    save_checkpoint(
+        RunDir(run_dir).checkpoints,
+        4,
+        weights={},
+        hf_config=other,
+        trainer_state={"trainer": {}, "data": {}, "rng": {}},
+        keep_last=3,
+    )
+    proc = _launch(repo, tmp_path, run_dir, "--set", "pipeline.max_restarts=6")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    run = RunDir(run_dir)
+    stopped = run.read_events("stopped")[-1]
+    assert "twice in a row" in stopped["reason"], stopped
+    assert "is of a different drafter" in stopped["error"], stopped
+    generations = {e["generation"] for e in run.read_events("worker_error")}
+    assert generations == {0, 1}, "stopped after the second identical failure, restarts 2..6 unspent"

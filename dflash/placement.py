@@ -1,0 +1,251 @@
+"""Where the workers go and whether they fit: checked before any worker starts.
+
+Placement rules (the config's pipeline.target_devices / drafter_devices, or their defaults):
+  - one drafter rank per GPU: NCCL refuses two ranks of one group on one device ("Duplicate GPU
+    detected"), and torchrun would spend every restart on that same deterministic error;
+  - every device index exists on this host;
+  - a target and a drafter may share a GPU only when the memory record says both fit.
+
+The memory record is what `dflash.warm` measured: the peak device memory of every planned shape
+(the drafter's train step; the target's forward when target.compile is on), kept in warm.json,
+the artifact's manifest and, after `dflashctl cache restore`, the restored cache's artifact.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.config import JobConfig
+from dflash.errors import ConfigError, DFlashError
+
+GIB = 2**30
+
+
+class MemoryPlanError(DFlashError):
+    """A planned shape does not fit its device."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+@dataclass
+class PeakMeter:
+    """Peak device memory over a block of work (CUDA only; None elsewhere)."""
+
+    device: Any
+    allocated: int | None = None
+    reserved: int | None = None
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[PeakMeter]:
+        import torch
+
+        if self.device.type != "cuda":
+            yield self
+            return
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield self
+        torch.cuda.synchronize(self.device)
+        self.allocated = int(torch.cuda.max_memory_allocated(self.device))
+        self.reserved = int(torch.cuda.max_memory_reserved(self.device))
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether an exception is (or wraps, as a compile failure can) a device out-of-memory error."""
+    import torch
+
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, torch.OutOfMemoryError) or "out of memory" in str(cur).lower():
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def shrink_advice(part: str) -> str:
+    if part == "target":
+        return (
+            "lower train.token_budget or train.max_batch_size (fewer rows per batch), or turn "
+            "target.compile off"
+        )
+    return (
+        "lower train.block_token_budget (fewer rows per short bucket), train.num_anchors or "
+        "train.token_budget, or raise data.bucket_multiple"
+    )
+
+
+def oom_error(part: str, shape: Any, device: Any, total: int | None) -> MemoryPlanError:
+    where = f"{device} ({_gib(total)})" if total else str(device)
+    return MemoryPlanError(
+        f"the {part}'s planned shape {shape.name} ({shape.block_tokens} block tokens, {shape.seq_tokens} "
+        f"sequence tokens) ran out of memory on {where} during warm-cache, before any training: "
+        f"{shrink_advice(part)}"
+    )
+
+
+def device_total(device: Any) -> int | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def worst(record: dict[str, Any], part: str) -> tuple[str, int] | None:
+    """(shape name, peak reserved bytes) of the heaviest measured shape of `part`, None if none was."""
+    shapes = (record.get(part) or {}) if isinstance(record, dict) else {}
+    measured = [
+        (name, int(v["peak_reserved"]))
+        for name, v in shapes.items()
+        if isinstance(v, dict) and isinstance(v.get("peak_reserved"), int)
+    ]
+    return max(measured, key=lambda x: x[1]) if measured else None
+
+
+def fit_problems(
+    record: dict[str, Any] | None, total: int | None, headroom_gb: float, *, where: str
+) -> list[str]:
+    """Why the recorded shapes do not fit a device of `total` bytes less the headroom (each part on its own)."""
+    if not record or not total:
+        return []
+    limit = total - int(headroom_gb * GIB)
+    problems = []
+    for part in ("drafter", "target"):
+        w = worst(record, part)
+        if w is not None and w[1] > limit:
+            problems.append(
+                f"the {part}'s planned shape {w[0]} needs {_gib(w[1])} of device memory (measured by "
+                f"warm-cache), more than {where}'s {_gib(total)} less run.memory_headroom_gb "
+                f"({headroom_gb:g}): {shrink_advice(part)}"
+            )
+    return problems
+
+
+def _index(dev: str) -> int | None:
+    if not dev.startswith("cuda"):
+        return None
+    _, _, idx = dev.partition(":")
+    return int(idx) if idx.isdigit() else 0
+
+
+def target_weight_bytes(target_path: str | None) -> int:
+    """Bytes of the target's weight files: a lower bound of what a target worker holds."""
+    if not target_path:
+        return 0
+    root = Path(target_path)
+    try:
+        return sum(p.stat().st_size for p in root.iterdir() if p.suffix in (".safetensors", ".bin"))
+    except OSError:
+        return 0
+
+
+def placement_problems(
+    cfg: JobConfig,
+    targets: list[str],
+    drafters: list[str],
+    *,
+    device_count: int | None,
+    totals: dict[int, int] | None = None,
+    record: dict[str, Any] | None = None,
+    target_path: str | None = None,
+) -> list[ConfigError]:
+    """Every placement rule the devices break (see the module doc). device_count None: not known here."""
+    problems: list[ConfigError] = []
+    cuda_drafters = [d for d in drafters if _index(d) is not None]
+    dup = sorted({d for d, n in Counter(f"cuda:{_index(d)}" for d in cuda_drafters).items() if n > 1})
+    if dup:
+        problems.append(
+            ConfigError(
+                "pipeline.drafter_devices",
+                f"puts more than one drafter rank on {', '.join(dup)} ({drafters}): NCCL refuses two "
+                "ranks of one group on one device. Give each drafter its own GPU, or lower pipeline.drafters",
+            )
+        )
+    if device_count is not None:
+        for key, devs in (("pipeline.target_devices", targets), ("pipeline.drafter_devices", drafters)):
+            missing = sorted({d for d in devs if (i := _index(d)) is not None and i >= device_count})
+            if missing:
+                problems.append(
+                    ConfigError(
+                        key,
+                        f"names {', '.join(missing)}, but this host has {device_count} GPU(s) "
+                        f"(cuda:0..cuda:{device_count - 1}); list devices that exist, or fewer workers",
+                    )
+                )
+    shared = sorted({_index(d) for d in targets} & {_index(d) for d in cuda_drafters} - {None})
+    if shared and record and totals:
+        drafter = worst(record, "drafter")
+        target = worst(record, "target")
+        target_bytes = target[1] if target else target_weight_bytes(target_path)
+        source = "measured" if target else "its weight files, at least"
+        limit_gb = cfg.run.memory_headroom_gb
+        for i in shared:
+            total = totals.get(i)
+            if drafter is None or total is None:
+                continue
+            need = drafter[1] + target_bytes * sum(1 for d in targets if _index(d) == i)
+            if need > total - int(limit_gb * GIB):
+                problems.append(
+                    ConfigError(
+                        "pipeline.drafter_devices",
+                        f"shares cuda:{i} with a target, and the two do not fit: the drafter's shape "
+                        f"{drafter[0]} needs {_gib(drafter[1])} (measured by warm-cache), the target "
+                        f"{_gib(target_bytes)} ({source}), of {_gib(total)} less run.memory_headroom_gb "
+                        f"({limit_gb:g}). Put the drafter on a GPU of its own (pipeline.drafter_devices / "
+                        "pipeline.target_devices), or shrink the drafter's batches (train.block_token_budget)",
+                    )
+                )
+    return problems
+
+
+def host_devices() -> tuple[int | None, dict[int, int]]:
+    """(GPU count, {index: total bytes}) of this host; (None, {}) without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, {}
+    n = torch.cuda.device_count()
+    return n, {i: int(torch.cuda.get_device_properties(i).total_memory) for i in range(n)}
+
+
+def restored_memory(cache_dir: Path | None) -> dict[str, Any] | None:
+    """The memory record of the artifact a restored cache dir came from, if it has one."""
+    from dflash.compile_cache import restored_artifact
+
+    art = restored_artifact(cache_dir)
+    memory = art.get("memory") if art else None
+    return memory if isinstance(memory, dict) else None
+
+
+def preflight(cfg: JobConfig, targets: list[str], drafters: list[str], target_path: str | None) -> None:
+    """The job's own check at start, before any worker or model: placement against this host's
+    GPUs, and the restored artifact's memory record (if any) against their memory. Raises the first
+    problem (a ConfigError or MemoryPlanError naming the key or shape and what to change)."""
+    import os
+
+    from dflash.compile_cache import CACHE_DIR_ENV
+
+    uses_cuda = any(_index(d) is not None for d in [*targets, *drafters])
+    count, totals = host_devices() if uses_cuda else (None, {})
+    cache_dir = os.environ.get(CACHE_DIR_ENV)
+    record = restored_memory(Path(cache_dir)) if cache_dir else None
+    problems: list[DFlashError] = list(
+        placement_problems(
+            cfg, targets, drafters, device_count=count, totals=totals, record=record, target_path=target_path
+        )
+    )
+    if record and not problems:
+        for i in sorted({i for d in drafters if (i := _index(d)) is not None}):
+            for text in fit_problems(record, totals.get(i), cfg.run.memory_headroom_gb, where=f"cuda:{i}"):
+                problems.append(MemoryPlanError(text))
+    if problems:
+        raise problems[0]
