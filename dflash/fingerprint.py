@@ -123,8 +123,8 @@ def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
     from transformers import AutoConfig
 
     from dflash.model import resolve_spec
-    from dflash.session import resolve_target
     from dflash.resolve import resolve_backend, resolve_device
+    from dflash.session import resolve_target
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)

@@ -207,7 +207,6 @@ def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
 
 def make_batcher(cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1) -> Any:
     from dflash.data import TokenBudgetBatcher
-
     from dflash.shapes import shape_plan
 
     return TokenBudgetBatcher(
@@ -266,9 +265,9 @@ class DrafterSide:
     ) -> None:
         from dflash.kernels import KernelGuard
         from dflash.model import resolve_spec
-        from dflash.target import load_frozen_head
         from dflash.resolve import resolve_strict
         from dflash.shapes import shape_plan
+        from dflash.target import load_frozen_head
         from dflash.trainer import DrafterTrainer
 
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker

@@ -20,7 +20,6 @@ from dflash.config import JobConfig
 from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
-
 from dflash.resolve import resolve_backend
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
