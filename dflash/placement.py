@@ -102,7 +102,9 @@ def device_total(device: Any) -> int | None:
 
 def worst(record: dict[str, Any], part: str) -> tuple[str, int] | None:
     """(shape name, peak reserved bytes) of the heaviest measured shape of `part`, None if none was."""
-    shapes = (record.get(part) or {}) if isinstance(record, dict) else {}
+    shapes = record.get(part) if isinstance(record, dict) else None
+    if not isinstance(shapes, dict):
+        return None
     measured = [
         (name, int(v["peak_reserved"]))
         for name, v in shapes.items()

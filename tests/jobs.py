@@ -24,14 +24,21 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
 
 
 def start_job(
-    module: str, repo: Path, runs_root: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None
+    module: str,
+    repo: Path,
+    runs_root: Path,
+    run_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    config: Path | None = None,
 ) -> subprocess.Popen[str]:
+    """config: the job's TOML (default the demo's)."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             module,
-            str(repo / "configs" / "demo-cpu.toml"),
+            str(config or repo / "configs" / "demo-cpu.toml"),
             "--run-dir",
             str(run_dir),
             "--set",
