@@ -31,9 +31,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS=0
 declare -A STATUS
 
-if [ -d .carry/wheels ]; then
-  "$PY" -m pip install -q --no-index --find-links .carry/wheels zstandard || echo "warning: zstandard install failed"
-fi
+# runner.cache needs zstandard, which the device image lacks: carry its wheel in .whl/ (or .carry/wheels).
+for wheels in .carry/wheels .whl; do
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$wheels"/*.whl && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+      || echo "warning: zstandard install failed"
+    break
+  fi
+done
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   GPU=1; TINY=(); echo "GPU: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), torch.__version__)')"
 else
@@ -108,6 +114,10 @@ res = {
     "all_hits": c.get("fxgraph_misses", 1) == 0 and c.get("autograd_misses", 1) == 0
                 and c.get("fxgraph_hits", 0) == cc.get("fxgraph_misses", 0) + cc.get("fxgraph_hits", 0),
     "shapes": [e["shape"] for e in events if e["event"] == "shape"],
+    "cold_breakdown": cold.get("breakdown"), "restored_breakdown": hot.get("breakdown"),
+    "restored_per_shape": [{"shape": e["shape"], "seconds": e["seconds"], **(e.get("breakdown") or {})}
+                           for e in events if e["event"] == "shape"],
+    "memory": cold.get("memory"),
 }
 open(sys.argv[3], "w").write(json.dumps(res, indent=2))
 print(json.dumps({k: res[k] for k in ("cold_compile_s", "restored_compile_s", "ratio", "all_hits")}))
@@ -129,13 +139,25 @@ cache_8b() {
   local target
   target=$("$PY" bench/pipeline.py --work "$WORK" --make-target-only $([ "$GPU" = 1 ] || echo --tiny)) \
     || { echo "building the target failed"; return 1; }
-  local sets=(--set "target.path=$target" --set "drafter.mask_token_id=-1")   # the tokenizer's mask
+  local sets=(--set "target.path=$target")   # the shipped config unmodified but for its model path
   if [ "$GPU" = 0 ]; then   # CPU smoke: the same config at a size a CPU finishes
     sets+=(--set run.device=cpu --set target.dtype=float32 --set attention.backend=sdpa
            --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64
            --set train.token_budget=256 --set train.max_batch_size=4 --set train.num_anchors=8)
   fi
   cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
+  local rc=$?
+  # The plan before the block-token budget (64 rows of 511 anchors at the 512 bucket): warm-cache
+  # must refuse it at its first shape, naming it, exit 2, no artifact.
+  local scratch; scratch=$(mktemp -d "$WORK/refuse-XXXXXX")
+  "$PY" -m dflash.warm configs/qwen3-8b.toml --out "$scratch/out" "${sets[@]}" \
+    --set "run.runs_root=$scratch/runs" --set train.block_token_budget=523264 > /dev/null 2> "$scratch/err"
+  local refused=$?
+  echo "over-budget plan: exit $refused, $(tail -1 "$scratch/err")"
+  [ "$refused" = 2 ] && grep -q "64x512" "$scratch/err" && [ ! -e "$scratch/out/warm.json" ] \
+    || { echo "over-budget plan was not refused as expected"; rc=4; }
+  rm -rf "$scratch"
+  return $rc
 }
 if [[ " ${H200_ONLY:-} " == *" compile_cache_8b "* ]]; then
   step compile_cache_8b "$(budget 540)" "$OUT/cache.log" \

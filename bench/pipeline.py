@@ -87,6 +87,13 @@ def parse_args() -> argparse.Namespace:
         help="whole-script wall budget; shortens the end-to-end run to fit (0 = no limit)",
     )
     ap.add_argument("--records", type=int, default=512, help="data records (each truncated to --seq-len)")
+    ap.add_argument(
+        "--buckets",
+        type=int,
+        default=1,
+        help="length buckets of the end-to-end job's data (data.bucket_multiple = seq-len / N; record i "
+        "falls in bucket i mod N): the batcher's and the shape plan's multi-bucket path",
+    )
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument(
         "--make-target-only",
@@ -152,9 +159,11 @@ def make_target(path: Path, spec: dict[str, Any], device: str) -> tuple[Path, fl
     return path, time.perf_counter() - t0
 
 
-def write_data(path: Path, records: int, seq_len: int, tokenizer_dir: Path) -> Path:
+def write_data(path: Path, records: int, seq_len: int, tokenizer_dir: Path, buckets: int = 1) -> Path:
     """Random-word text, long enough that every record is truncated to exactly seq_len tokens: all rows
-    are full, so no batch carries padding and every throughput counts the same tokens."""
+    are full, so no batch carries padding and every throughput counts the same tokens. With buckets N
+    above 1, record i is sized for bucket (i mod N) + 1 of N (about 85% of that bucket's length; the
+    last bucket's records are truncated to seq_len as before)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -172,14 +181,17 @@ def write_data(path: Path, records: int, seq_len: int, tokenizer_dir: Path) -> P
     while len(tok(text(chars))["input_ids"]) < seq_len * 1.2:
         chars *= 2
     meta = path.with_suffix(".json")  # what the data file was written for: reused when it matches
-    if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == [records, chars]:
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == [records, chars, buckets]:
         return path
+    per_token = len(text(4000)) / len(tok(text(4000))["input_ids"])  # characters per token, about
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
-        for _ in range(records):
-            f.write(json.dumps({"text": text(chars)}) + "\n")
+        for i in range(records):
+            b = i % buckets + 1
+            n = chars if b == buckets else int(per_token * seq_len * (b - 0.15) / buckets)
+            f.write(json.dumps({"text": text(n)}) + "\n")
     os.replace(tmp, path)
-    meta.write_text(json.dumps([records, chars]))
+    meta.write_text(json.dumps([records, chars, buckets]))
     return path
 
 
@@ -424,7 +436,8 @@ def job_overrides(
         f"data.path={data}",
         f"data.cache_dir={work / 'tokcache'}",
         f"data.max_seq_len={args.seq_len}",
-        f"data.bucket_multiple={args.seq_len}",
+        f"data.bucket_multiple={args.seq_len // args.buckets}",
+        f"data.min_seq_len={min(32, args.seq_len // args.buckets)}",
         f"train.token_budget={args.batch * args.seq_len}",
         f"train.max_batch_size={args.batch}",
         "train.total_steps=1000000",
@@ -479,7 +492,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     mask_id = int(AutoTokenizer.from_pretrained(str(target_dir)).mask_token_id)
-    data = write_data(work / f"data-{args.seq_len}.jsonl", args.records, args.seq_len, target_dir)
+    data = write_data(
+        work / f"data-{args.seq_len}-b{args.buckets}.jsonl",
+        args.records,
+        args.seq_len,
+        target_dir,
+        args.buckets,
+    )
     overrides = job_overrides(args, target_dir, data, work, device, mask_id)
     cfg = load_config(CONFIG, overrides)
 
@@ -544,7 +563,8 @@ def main() -> None:
             "rows": args.batch,
             "seq_len": args.seq_len,
             "tokens": args.batch * args.seq_len,
-            "padding": 0,
+            "padding": 0 if args.buckets == 1 else "bucketed",
+            "buckets": args.buckets,
         },
         "overrides": overrides,
         "summary": summary,

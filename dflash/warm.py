@@ -77,6 +77,37 @@ def _synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: 
     return input_ids_BL, loss_mask_BL, seq_lens_B, hidden_BLF
 
 
+def _compile_seconds() -> dict[str, float]:
+    """Cumulative compile-time phases of this process (dynamo's own accounting) and block-mask time."""
+    import torch._dynamo.utils
+
+    from dflash.attention.flex import BLOCK_MASK_SECONDS
+
+    spent = dict(torch._dynamo.utils.calculate_time_spent())
+    spent["block_mask"] = BLOCK_MASK_SECONDS[0]
+    return spent
+
+
+def _breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Where one shape's seconds went (dynamo's own accounting): dynamo tracing and guards (frame
+    compile less its backend), AOT autograd and inductor for forward and backward (cache lookups and
+    loads on a warm cache, compiling on a cold one; kernels_wait_s of it waiting for Triton / C++
+    kernels), eager block masks, and the rest: running the steps."""
+
+    def d(key: str) -> float:
+        return max(0.0, after.get(key, 0.0) - before.get(key, 0.0))
+
+    frame, forward, backward = d("entire_frame_compile"), d("backend_compile"), d("entire_backward_compile")
+    parts = {
+        "dynamo_s": max(0.0, frame - forward),
+        "aot_inductor_s": forward + backward,
+        "block_mask_s": d("block_mask"),
+    }
+    parts["run_and_other_s"] = max(0.0, seconds - sum(parts.values()))
+    parts["kernels_wait_s"] = d("async_compile.wait")
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
 class _ContextSwitch:
     """Puts this process into one compile context after another (see the module doc)."""
 
@@ -141,6 +172,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     def each_shape(part: str, switch: _ContextSwitch, run_one: Any) -> None:
         for i, shape in enumerate(plan.shapes, 1):
             before = compile_counters()
+            time_before = _compile_seconds()
             t0 = time.perf_counter()
             inputs = _synthetic_step_inputs(cfg, spec, shape.rows, shape.length, device)
             meter = PeakMeter(device)
@@ -155,6 +187,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
                     raise oom_error(part, shape, device, total_bytes) from None
                 raise
             peak = None
+            breakdown = _breakdown(time_before, _compile_seconds(), time.perf_counter() - t0)
             if meter.reserved is not None:
                 peak = {"peak_allocated": meter.allocated, "peak_reserved": meter.reserved}
                 memory[part][shape.name] = peak
@@ -164,6 +197,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
                 "seconds": round(time.perf_counter() - t0, 3),
                 "counters": counters_delta(before, compile_counters()),
                 "memory": peak,
+                "breakdown": breakdown,
             }
             per_shape.append(record)
             _emit("shape", index=i, total=len(plan.shapes), **record)
@@ -223,9 +257,14 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
         "device": str(device),
         "shape_plan": plan.to_dict(),
         "memory": memory,
+        "breakdown": {
+            k: round(sum(r["breakdown"][k] for r in per_shape), 3) for k in per_shape[0]["breakdown"]
+        }
+        if per_shape
+        else {},
     }
     atomic_write_json(out / WARM_STATS, stats)
-    _emit("done", seconds=round(total, 3), counters=counters)
+    _emit("done", seconds=round(total, 3), counters=counters, breakdown=stats["breakdown"])
     return stats
 
 

@@ -9,6 +9,7 @@ threads); workers are processes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,11 @@ flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
 # create_block_mask runs eagerly: at the production shape (8192 queries x 11264 keys) the compiled
 # version spent over 150 s in Triton compilation on an H200 (2026-11-29) without finishing, while
 # the eager build materialises one [Q, KV] bool grid (~92 MB), once per batch per layer type.
+
+
+BLOCK_MASK_SECONDS = [0.0]
+"""Wall seconds this process spent building block masks (eager create_block_mask): dflash.warm
+reports it in its per-shape compile-time breakdown."""
 
 
 class FlexBackend:
@@ -46,6 +52,7 @@ class FlexBackend:
         B, A = anchors_BA.shape
         q_len, kv_len = A * block_size, context_len + A * block_size
         plans = {}
+        t0 = time.perf_counter()
         for w, causal in layer_masks(windows, sliding_causal).items():
             mask_mod = dflash_mask_mod(
                 anchors_BA,
@@ -56,6 +63,7 @@ class FlexBackend:
                 causal_block=causal,
             )
             plans[w] = self._block_mask(mask_mod, B, None, q_len, kv_len, device=anchors_BA.device)
+        BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, block_mask: BlockMask) -> Tensor:

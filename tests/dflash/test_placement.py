@@ -58,3 +58,46 @@ def test_the_worst_shape_must_fit_the_device_less_the_headroom() -> None:
 @pytest.mark.parametrize("bad", [{"drafter": "x"}, {"drafter": {"a": {"peak_reserved": "big"}}}, []])
 def test_a_malformed_record_checks_nothing_rather_than_crash(bad) -> None:
     assert fit_problems(bad, TOTAL, 4.0, where="cuda:0") == []
+
+
+def _job(module: str, tmp_path: Path, *sets: str, env: dict[str, str] | None = None):
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", module, str(REPO / "configs" / "demo-cpu.toml")]
+    args += ["--run-dir", str(tmp_path / "run"), "--set", f"run.runs_root={tmp_path}"]
+    for s in ("run.device=cuda", "attention.backend=flex", *sets):
+        args += ["--set", s]
+    return subprocess.run(
+        args, capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.mark.gpu
+def test_the_job_refuses_a_restored_artifact_whose_shape_does_not_fit_this_gpu(tmp_path: Path) -> None:
+    """The record a restore leaves (artifact.json) says the drafter's shape needs more than this GPU
+    has: dflash.train stops before loading any model, naming the shape."""
+    import json
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    record = {"drafter": {"8x256": {"peak_allocated": 2**50, "peak_reserved": 2**50}}, "target": {}}
+    (cache / "artifact.json").write_text(json.dumps({"key": "k" * 64, "memory": record}))
+    done = _job("dflash.train", tmp_path, env={"DFLASH_CACHE_DIR": str(cache)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "8x256" in done.stderr and "run.memory_headroom_gb" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_launch_refuses_two_drafter_ranks_on_one_gpu_before_any_worker(tmp_path: Path) -> None:
+    done = _job(
+        "dflash.launch",
+        tmp_path,
+        "pipeline.drafters=2",
+        'pipeline.target_devices=["cuda:0"]',
+        'pipeline.drafter_devices=["cuda:0", "cuda:0"]',
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "pipeline.drafter_devices" in done.stderr and "NCCL refuses" in done.stderr
+    assert not (tmp_path / "run" / "logs").exists() or not any((tmp_path / "run" / "logs").iterdir())
