@@ -147,6 +147,7 @@ cache_8b() {
   fi
   cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
   local rc=$?
+  [ "${H200_REFUSAL:-1}" = 1 ] || return $rc
   # The plan before the block-token budget (64 rows of 511 anchors at the 512 bucket): warm-cache
   # must refuse it at its first shape, naming it, exit 2, no artifact.
   local scratch; scratch=$(mktemp -d "$WORK/refuse-XXXXXX")

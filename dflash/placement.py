@@ -50,6 +50,8 @@ class PeakMeter:
             yield self
             return
         torch.cuda.synchronize(self.device)
+        # Blocks cached for earlier shapes would count as this shape's reserved memory: hand them back.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         yield self
         torch.cuda.synchronize(self.device)
@@ -113,6 +115,11 @@ def worst(record: dict[str, Any], part: str) -> tuple[str, int] | None:
     return max(measured, key=lambda x: x[1]) if measured else None
 
 
+def _allocated(record: dict[str, Any], part: str, name: str) -> int:
+    value = record[part][name].get("peak_allocated")
+    return value if isinstance(value, int) else 0
+
+
 def fit_problems(
     record: dict[str, Any] | None, total: int | None, headroom_gb: float, *, where: str
 ) -> list[str]:
@@ -125,8 +132,8 @@ def fit_problems(
         w = worst(record, part)
         if w is not None and w[1] > limit:
             problems.append(
-                f"the {part}'s planned shape {w[0]} needs {_gib(w[1])} of device memory (measured by "
-                f"warm-cache), more than {where}'s {_gib(total)} less run.memory_headroom_gb "
+                f"the {part}'s planned shape {w[0]} needs {_gib(w[1])} of device memory (peak "
+                f"reserved measured by warm-cache; {_gib(_allocated(record, part, w[0]))} allocated), more than {where}'s {_gib(total)} less run.memory_headroom_gb "
                 f"({headroom_gb:g}): {shrink_advice(part)}"
             )
     return problems

@@ -16,8 +16,9 @@ Anchors per row are train.num_anchors, but never more than a row of that bucket 
 needs a next token, so at most length - 1.
 
 Compiled graphs: the drafter's decoder layers are compiled one by one and share one code object;
-dynamo keeps one graph per (length bucket, layer type), since the sliding window is a constant the
-layer's graph is specialised on. The target's regional compile (target.compile) keeps two per bucket
+dynamo keeps one graph per (length bucket, layer type, input requires grad): the sliding window is
+a constant the layer's graph is specialised on, and the first layer's input (the frozen embedding's
+output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
 (unpadded and padded batches) per target layer type. The recompile limit is set to the largest of
 these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
@@ -114,9 +115,18 @@ class ShapePlan:
         return shape
 
     @property
+    def layer_variants(self) -> int:
+        """Graphs of the drafter's decoder-layer code per bucket: one per (layer type, whether its
+        input requires grad). The first layer's input is the frozen embedding's output (no grad), every
+        later layer's is not, and dynamo guards on requires_grad: a type that is first and also comes
+        later is two graphs (measured on the H200: the 8B drafter's 4 sliding + 1 full layers make 3)."""
+        types = self.layer_types
+        return len({(types[0], False), *((t, True) for t in types[1:])}) if types else 0
+
+    @property
     def drafter_graphs(self) -> int:
-        """Graphs of the drafter's (shared) decoder-layer code: buckets x distinct layer types."""
-        return len(self.shapes) * len(set(self.layer_types))
+        """Graphs of the drafter's (shared) decoder-layer code: buckets x layer variants."""
+        return len(self.shapes) * self.layer_variants
 
     @property
     def target_graphs(self) -> int:

@@ -183,6 +183,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
                         run_one(inputs)
                         guard.check()
             except Exception as e:
+                guard.check()  # a recompile limit hit first (then eager kernels) is the cause: say so
                 if is_oom(e):
                     raise oom_error(part, shape, device, total_bytes) from None
                 raise

@@ -100,4 +100,7 @@ def test_launch_refuses_two_drafter_ranks_on_one_gpu_before_any_worker(tmp_path:
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "pipeline.drafter_devices" in done.stderr and "NCCL refuses" in done.stderr
-    assert not (tmp_path / "run" / "logs").exists() or not any((tmp_path / "run" / "logs").iterdir())
+    logs = tmp_path / "run" / "logs"
+    assert not list(logs.glob("target-*.log")) and not list(logs.glob("drafter-*.log")), "a worker started"
+    events = tmp_path / "run" / "events.jsonl"
+    assert not events.exists() or "launched" not in events.read_text()

@@ -44,7 +44,8 @@ def test_the_8b_short_bucket_no_longer_five_times_heavier() -> None:
     assert plan.shape_for(4096).block_tokens == 98_304
     assert plan.shape_for(512).anchors == 511 and plan.shape_for(512).rows == 12
     assert max(s.block_tokens for s in plan.shapes) == 98_304
-    assert plan.drafter_graphs == 16 and plan.recompile_limit == 16  # 8 buckets x 2 layer types
+    # 8 buckets x 3 layer variants: sliding first (input without grad), sliding, full
+    assert plan.layer_variants == 3 and plan.drafter_graphs == 24 and plan.recompile_limit == 24
 
 
 def test_an_explicit_block_budget_binds_and_one_below_a_row_is_refused() -> None:
@@ -57,9 +58,11 @@ def test_an_explicit_block_budget_binds_and_one_below_a_row_is_refused() -> None
 
 def test_graphs_follow_layer_types_and_target_compile() -> None:
     demo = REPO / "configs" / "demo-cpu.toml"
-    assert shape_plan(_cfg(demo)).recompile_limit == 2  # one bucket, sliding + full
+    assert shape_plan(_cfg(demo)).recompile_limit == 2  # one bucket: sliding (first), full
     one_type = shape_plan(_cfg(demo, 'drafter.layer_types=["full_attention", "full_attention"]'))
-    assert one_type.drafter_graphs == 1
+    assert one_type.drafter_graphs == 2  # the first layer's input needs no grad, the second's does
+    single = shape_plan(_cfg(demo, "drafter.num_layers=1", 'drafter.layer_types=["full_attention"]'))
+    assert single.drafter_graphs == 1
     with_target = shape_plan(_cfg(demo, "target.compile=true"))
     assert with_target.target_graphs == 2 and with_target.recompile_limit == 2  # unpadded + padded
 
