@@ -68,12 +68,15 @@ def _synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: 
 
     from dflash.session import torch_dtype
 
-    gen = torch.Generator().manual_seed(cfg.run.seed)
-    input_ids_BL = torch.randint(0, spec.vocab_size, (rows, length), generator=gen)
-    loss_mask_BL = torch.ones(rows, length, dtype=torch.bool)
-    seq_lens_B = torch.full((rows,), length, dtype=torch.long)
+    # Made on the device: the 8B drafter's target features are 12 x 4096 x 20480 values, seconds of
+    # CPU randn per shape that the H200's restored warm counted as compile time (2026-12-01).
+    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
+    input_ids_BL = torch.randint(0, spec.vocab_size, (rows, length), generator=gen, device=device)
+    loss_mask_BL = torch.ones(rows, length, dtype=torch.bool, device=device)
+    seq_lens_B = torch.full((rows,), length, dtype=torch.long, device=device)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
-    hidden_BLF = torch.randn(rows, length, features, generator=gen).to(torch_dtype(cfg.target.dtype))
+    dtype = torch_dtype(cfg.target.dtype)
+    hidden_BLF = torch.randn(rows, length, features, generator=gen, device=device, dtype=dtype)
     return input_ids_BL, loss_mask_BL, seq_lens_B, hidden_BLF
 
 
