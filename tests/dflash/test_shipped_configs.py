@@ -141,7 +141,8 @@ def test_shipped_config_warms_and_trains_scaled_down(
     assert job.returncode == 0, out[-4000:]
     run = RunDir(tmp_path / "run")
     assert run.read_events("cache_miss") == [] and run.read_events("degraded") == []
-    compiled = [e for e in run.read_events("compiled") if e["worker"] == "drafter-0"]
+    # Each drafter rank trains its share of the batches: together they meet every bucket.
+    compiled = [e for e in run.read_events("compiled") if e["worker"].startswith("drafter-")]
     assert {tuple(e["shape"]) for e in compiled} == {tuple(b) for b in small.buckets()}, (
         "every bucket trained"
     )
