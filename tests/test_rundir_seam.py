@@ -9,7 +9,12 @@ from pathlib import Path
 from jobs import start_job
 
 from dflash.rundir import RUN_FORMAT as JOB_FORMAT
-from runner.rundir import RUN_FORMAT, RunLocation, read_run
+from dflash.rundir import WORKER_STATES as JOB_STATES
+from runner.rundir import RUN_FORMAT, WORKER_STATES, RunLocation, read_run
+
+
+def test_the_halves_agree_on_the_heartbeat_states() -> None:
+    assert WORKER_STATES == JOB_STATES, "runner/rundir/reader.py and dflash/rundir.py list the states"
 
 
 def test_reader_parses_a_live_and_a_finished_job(repo: Path, tmp_path: Path) -> None:

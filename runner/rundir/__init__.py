@@ -8,6 +8,7 @@ a POSIX shell script collects everything a refresh needs (run.json, the job.lock
 
 from runner.rundir.reader import (
     RUN_FORMAT,
+    WORKER_STATES,
     RunLocation,
     RunView,
     append_event,
@@ -15,4 +16,4 @@ from runner.rundir.reader import (
     tail_argv,
 )
 
-__all__ = ["RUN_FORMAT", "RunLocation", "RunView", "append_event", "read_run", "tail_argv"]
+__all__ = ["RUN_FORMAT", "WORKER_STATES", "RunLocation", "RunView", "append_event", "read_run", "tail_argv"]

@@ -16,6 +16,17 @@ from runner.exec import remote
 RUN_FORMAT = 1
 """run.json `format` this reader understands; a newer one is refused with advice to upgrade."""
 
+WORKER_STATES = (
+    "starting",
+    "computing",
+    "waiting_input",
+    "waiting_output",
+    "compiling",
+    "checkpointing",
+    "stopped",
+)
+"""The states a heartbeat reports (docs/run-directory.md; the job's dflash.rundir.WORKER_STATES)."""
+
 METRICS_TAIL_BYTES = 256 << 10
 EVENTS_TAIL_BYTES = 512 << 10
 

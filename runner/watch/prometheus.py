@@ -26,6 +26,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
+from runner.rundir import WORKER_STATES as HEARTBEAT_STATES
 from runner.watch.findings import SEVERITY_RANK, Finding, exit_code
 from runner.watch.snapshot import GpuView, Snapshot
 
@@ -33,17 +34,8 @@ if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily, Metric
 
 DEFAULT_HOST = "127.0.0.1"
-WORKER_STATES = (
-    "starting",
-    "computing",
-    "waiting_input",
-    "waiting_output",
-    "compiling",
-    "checkpointing",
-    "stopped",
-    "unknown",
-)
-"""The heartbeat's states (docs/run-directory.md); anything else (or none) counts as unknown."""
+WORKER_STATES = (*HEARTBEAT_STATES, "unknown")
+"""The heartbeat's states; anything else (or none) counts as unknown."""
 MIB = 2**20
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]+$")
 
