@@ -122,6 +122,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     import torch
 
     from dflash.pipeline import worker_devices
+    from dflash.placement import missing_devices, placement_problems
     from dflash.resolve import resolve_backend, resolve_device
 
     try:
@@ -141,21 +142,18 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
                 f"lists {len(listed)} devices for {count} {role}; list one device per worker, "
                 f"or change pipeline.{role}",
             )
-        missing = []
+        valid = []
         for name in listed:
             try:
-                index = _cuda_index(name)
+                _cuda_index(name)
+                valid.append(name)
             except ValueError as e:
                 report.error(key, str(e))
-                continue
-            if index is not None and index >= gpus:
-                missing.append(name)
-        if missing:
-            seen = f"cuda:0..cuda:{gpus - 1}" if gpus > 1 else "only cuda:0" if gpus else "no CUDA device"
-            report.error(key, f"{', '.join(missing)}: not on this host, which has {seen}")
+        problem = missing_devices(key, valid, gpus)
+        if problem is not None:
+            report.config_error(problem)
     if len(report.errors) > before:
         return  # worker_devices below would refuse the same lists
-    from dflash.placement import placement_problems
 
     targets, drafters = worker_devices(cfg)
     for problem in placement_problems(cfg, targets, drafters, device_count=None):

@@ -404,7 +404,9 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "raise train.token_budget or lower data.max_seq_len",
         )
         problems.append((problem, ("train.token_budget", "data.max_seq_len", "data.bucket_multiple")))
-    one_row = min(t.num_anchors, max(1, longest - 1)) * cfg.drafter.block_size
+    from dflash.shapes import anchors_for  # (dflash.shapes reads configs: imported here, not above)
+
+    one_row = anchors_for(longest, t.num_anchors) * cfg.drafter.block_size
     if t.block_token_budget and t.block_token_budget < one_row:
         problem = ConfigError(
             "train.block_token_budget",

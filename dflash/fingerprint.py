@@ -83,13 +83,9 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
     architecture (config.json, which the kept layers are built from) and how many layers are kept."""
     if not cfg.target.compile:
         return {"compile": False}
-    cfg_file = Path(target_path) / "config.json"
-    try:
-        target_cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        from dflash.errors import DFlashError
+    from dflash.shapes import read_target_config
 
-        raise DFlashError(f"target.compile needs the target's config: cannot read {cfg_file}: {e}") from None
+    target_cfg = read_target_config(target_path)
     return {
         "compile": True,
         "config_sha256": hashlib.sha256(canonical_json(target_cfg)).hexdigest(),

@@ -465,12 +465,12 @@ def launch(args: argparse.Namespace) -> int:
         p = plan(cfg, args, nnodes, endpoint)
         print(json.dumps(p) if args.json else "\n".join(plan_lines(p)))
         return 0
-    worker_devices(cfg)  # refuses device lists that do not match the worker counts, before anything starts
+    devices = worker_devices(cfg)  # refuses lists that do not match the worker counts, before anything starts
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
     from dflash.placement import preflight
 
-    preflight(cfg, *worker_devices(cfg), parts.target_path)  # placement and memory, before any worker
+    preflight(cfg, *devices, parts.target_path)  # placement and memory, before any worker
     spec = resolve_drafter_spec(cfg, parts)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     elem = torch_dtype(cfg.target.dtype).itemsize

@@ -28,6 +28,7 @@ from dflash.attention import AttentionBackend, make_backend
 from dflash.errors import ConfigError
 from dflash.resolve import default_target_layer_ids as default_target_layer_ids  # importable from here
 from dflash.resolve import target_layer_ids
+from dflash.shapes import drafter_layer_types
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -211,7 +212,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
     heads = cfg.num_attention_heads or int(target_config.num_attention_heads)
     kv_heads = cfg.num_key_value_heads or int(getattr(target_config, "num_key_value_heads", None) or heads)
     head_dim = cfg.head_dim or int(getattr(target_config, "head_dim", None) or hidden // heads)
-    layer_types = list(cfg.layer_types) or ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
+    layer_types = drafter_layer_types(cfg)
     vocab = int(target_config.vocab_size)  # DrafterSpec checks mask_token_id against it
     return DrafterSpec(
         hidden_size=hidden,

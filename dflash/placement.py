@@ -157,6 +157,16 @@ def target_weight_bytes(target_path: str | None) -> int:
         return 0
 
 
+def missing_devices(key: str, devices: list[str], device_count: int) -> ConfigError | None:
+    """The devices of a list (config key `key`) that this host, with device_count GPUs, lacks."""
+    missing = list(dict.fromkeys(d for d in devices if (i := _index(d)) is not None and i >= device_count))
+    if not missing:
+        return None
+    n = device_count
+    seen = f"cuda:0..cuda:{n - 1}" if n > 1 else "only cuda:0" if n else "no CUDA device"
+    return ConfigError(key, f"{', '.join(missing)}: not on this host, which has {seen}")
+
+
 def placement_problems(
     cfg: JobConfig,
     targets: list[str],
@@ -181,15 +191,9 @@ def placement_problems(
         )
     if device_count is not None:
         for key, devs in (("pipeline.target_devices", targets), ("pipeline.drafter_devices", drafters)):
-            missing = sorted({d for d in devs if (i := _index(d)) is not None and i >= device_count})
-            if missing:
-                problems.append(
-                    ConfigError(
-                        key,
-                        f"names {', '.join(missing)}, but this host has {device_count} GPU(s) "
-                        f"(cuda:0..cuda:{device_count - 1}); list devices that exist, or fewer workers",
-                    )
-                )
+            problem = missing_devices(key, devs, device_count)
+            if problem is not None:
+                problems.append(problem)
     shared = sorted({_index(d) for d in targets} & {_index(d) for d in cuda_drafters} - {None})
     if shared and record and totals:
         drafter = worst(record, "drafter")

@@ -205,13 +205,16 @@ def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
     return {worker: round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
 
 
-def make_batcher(cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1) -> Any:
+def make_batcher(
+    cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1, plan: Any = None
+) -> Any:
+    """plan: the shape plan when the caller has one (the drafter's), else the config's."""
     from dflash.data import TokenBudgetBatcher
     from dflash.shapes import shape_plan
 
     return TokenBudgetBatcher(
         dataset,
-        plan=shape_plan(cfg),
+        plan=plan or shape_plan(cfg),
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
         rank=rank,
@@ -384,7 +387,7 @@ class Job:
             device=self.device,
             compile=cfg.target.compile,
         )
-        self.batcher = make_batcher(cfg, parts.dataset)
+        self.batcher = make_batcher(cfg, parts.dataset, plan=self.drafter.plan)
         self.drafter.resume()
         if self.drafter.data_state is not None:
             self.batcher.load_state_dict(self.drafter.data_state)

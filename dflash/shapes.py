@@ -100,10 +100,6 @@ class ShapePlan:
     def rows_for(self, length: int) -> int:
         return self.shape_for(length).rows
 
-    def bucket_of(self, seq_len: int) -> int:
-        """The bucket length a sequence of seq_len tokens is padded to."""
-        return -(-seq_len // self.bucket_multiple) * self.bucket_multiple
-
     def check_batch(self, rows: int, length: int) -> Shape:
         """The planned shape of a batch about to be compiled or run; refuses anything unplanned."""
         shape = self.shape_for(length)
@@ -139,11 +135,6 @@ class ShapePlan:
     def recompile_limit(self) -> int:
         """dynamo's per-code recompile limit for this plan: exactly what the plan compiles."""
         return max(1, self.drafter_graphs, self.target_graphs)
-
-    @property
-    def worst(self) -> Shape:
-        """The heaviest shape for the drafter (block tokens, then sequence tokens)."""
-        return max(self.shapes, key=lambda s: (s.block_tokens, s.seq_tokens))
 
     def buckets(self) -> list[list[int]]:
         """[[rows, length], ...]: the fingerprint's and the warm protocol's form."""
@@ -238,7 +229,8 @@ def shape_plan(cfg: JobConfig, *, target_path: str | None = None) -> ShapePlan:
     d, t = cfg.data, cfg.train
     target_layer_types = 1
     if cfg.target.compile and target_path:
-        target_layer_types = target_layer_type_count(_read_target_config(target_path))
+        types = read_target_config(target_path).get("layer_types")
+        target_layer_types = len(set(types)) if isinstance(types, list) and types else 1
     return make_plan(
         min_seq_len=d.min_seq_len,
         max_seq_len=d.max_seq_len,
@@ -254,7 +246,8 @@ def shape_plan(cfg: JobConfig, *, target_path: str | None = None) -> ShapePlan:
     )
 
 
-def _read_target_config(target_path: str) -> dict[str, Any]:
+def read_target_config(target_path: str) -> dict[str, Any]:
+    """The target's config.json (what its compiled layers are built from); an error naming the file."""
     import json
     from pathlib import Path
 
@@ -264,14 +257,6 @@ def _read_target_config(target_path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise DFlashError(f"target.compile needs the target's config: cannot read {path}: {e}") from None
     return data if isinstance(data, dict) else {}
-
-
-def target_layer_type_count(target_config: Any) -> int:
-    """Distinct layer types of a target (a transformers config or its config.json as a dict)."""
-    types = target_config.get("layer_types") if isinstance(target_config, dict) else None
-    if types is None and not isinstance(target_config, dict):
-        types = getattr(target_config, "layer_types", None)
-    return len(set(types)) if types else 1
 
 
 def apply_recompile_limit(plan: ShapePlan) -> int:

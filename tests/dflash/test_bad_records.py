@@ -6,11 +6,10 @@ small files throughout, through the byte tokenizer, the tiny target's own tokeni
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from jobs import start_job
 
 import dflash.data as data_mod
 from dflash.config import DataConfig
@@ -170,28 +169,20 @@ def _check_counts(run: RunDir, path: Path, bad_at: dict[int, str], data: dict) -
     assert f"{len(BAD)} bad" in log
 
 
+def _run_job(module: str, repo: Path, tmp_path: Path, path: Path, *sets: str) -> RunDir:
+    """The real job (tests/jobs.py's start_job) on the demo config over the data file `path`."""
+    run_dir = tmp_path / "run"
+    args = [a for s in (f"data.path={path}", "attention.compile=false", *sets) for a in ("--set", s)]
+    proc = start_job(module, repo, tmp_path, run_dir, *args)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return RunDir(run_dir)
+
+
 def test_the_single_process_job_skips_them_and_reports_counts(repo, tmp_path):
     path = tmp_path / "data.jsonl"
     bad_at = _job_data(path)
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash.train",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--run-dir",
-            str(run_dir),
-        ]
-        + ["--set", f"run.runs_root={tmp_path}", "--set", f"data.path={path}", "--set", "train.total_steps=1"]
-        + ["--set", "attention.compile=false"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    run = RunDir(run_dir)
+    run = _run_job("dflash.train", repo, tmp_path, path, "train.total_steps=1")
     [started] = run.read_events("started")
     _check_counts(run, path, bad_at, started["data"])
 
@@ -199,32 +190,8 @@ def test_the_single_process_job_skips_them_and_reports_counts(repo, tmp_path):
 def test_the_pipeline_skips_them_and_reports_counts(repo, tmp_path):
     path = tmp_path / "data.jsonl"
     bad_at = _job_data(path)
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash.launch",
-            str(repo / "configs" / "demo-cpu.toml"),
-            "--run-dir",
-            str(run_dir),
-        ]
-        + ["--set", f"run.runs_root={tmp_path}", "--set", f"data.path={path}", "--set", "train.total_steps=2"]
-        + [
-            "--set",
-            "attention.compile=false",
-            "--set",
-            "pipeline.queue_depth=2",
-            "--set",
-            "pipeline.prefetch_depth=2",
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = RunDir(run_dir)
+    sets = ("train.total_steps=2", "pipeline.queue_depth=2", "pipeline.prefetch_depth=2")
+    run = _run_job("dflash.launch", repo, tmp_path, path, *sets)
     [launched] = run.read_events("launched")
     [ready] = run.read_events("worker_ready")
     [started] = run.read_events("started")
