@@ -12,8 +12,18 @@ from runner.rundir.reader import (
     RunLocation,
     RunView,
     append_event,
+    clean_stop,
     read_run,
     tail_argv,
 )
 
-__all__ = ["RUN_FORMAT", "WORKER_STATES", "RunLocation", "RunView", "append_event", "read_run", "tail_argv"]
+__all__ = [
+    "RUN_FORMAT",
+    "WORKER_STATES",
+    "RunLocation",
+    "RunView",
+    "append_event",
+    "clean_stop",
+    "read_run",
+    "tail_argv",
+]

@@ -27,6 +27,12 @@ WORKER_STATES = (
 )
 """The states a heartbeat reports (docs/run-directory.md; the job's dflash.rundir.WORKER_STATES)."""
 
+
+def clean_stop(reason: str) -> bool:
+    """Whether a `stopped` event's reason is a stop for good: completed, or a signal (a user's stop)."""
+    return reason == "completed" or reason.startswith("signal")
+
+
 METRICS_TAIL_BYTES = 256 << 10
 EVENTS_TAIL_BYTES = 512 << 10
 
@@ -92,8 +98,7 @@ class RunView:
             return "running"
         last = self.last_lifecycle()
         if last is not None and last.get("event") == "stopped":
-            reason = str(last.get("reason", ""))
-            return "stopped" if reason == "completed" or reason.startswith("signal") else "failed"
+            return "stopped" if clean_stop(str(last.get("reason", ""))) else "failed"
         job_started = bool((self.manifest or {}).get("command_lines"))
         if not job_started and started_at is not None and time.time() - started_at < grace_s:
             return "starting"

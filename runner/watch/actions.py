@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import RunnerError
-from runner.watch.findings import Finding
+from runner.rundir import clean_stop
+from runner.watch.findings import Finding, stop_reason
 from runner.watch.snapshot import Snapshot, WorkerView
-
-HANG_KINDS = ("hung_worker", "likely_oom")
-GRACEFUL_STOPS = ("completed",)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,9 +116,8 @@ def plan_actions(
         elif not _capped(state, policy, now):
             out.append(Action(action="terminate", subject=w.name, pid=pid, started_at=started,
                               detail=f"hung at step {w.step} ({w.state}): SIGTERM, SIGKILL after {policy.grace_s:.0f} s"))  # fmt: skip
-    stopped = next((f for f in findings if f.kind == "job_stopped"), None)
-    reason = str((stopped.numbers.get("reason") if stopped else "") or "")
-    ended_badly = stopped is not None and reason not in GRACEFUL_STOPS and not reason.startswith("signal")
+    reason = stop_reason(findings)
+    ended_badly = reason is not None and not clean_stop(reason)
     recent = state.relaunched_at is not None and now - state.relaunched_at < 120
     if ended_badly and can_relaunch and not recent and not _capped(state, policy, now):
         out.append(Action(action="relaunch", subject="run",

@@ -43,6 +43,12 @@ def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (-SEVERITY_RANK[f.severity], f.kind, f.subject))
 
 
+def stop_reason(findings: Iterable[Finding]) -> str | None:
+    """The reason of the `job_stopped` finding ("" when the job stopped without one), None if none."""
+    stopped = next((f for f in findings if f.kind == "job_stopped"), None)
+    return None if stopped is None else str(stopped.numbers.get("reason") or "")
+
+
 def exit_code(findings: Iterable[Finding]) -> int:
     """0 healthy (info at most), 1 warnings, 2 critical: what `watch --once --json` exits with."""
     return max((SEVERITY_RANK[f.severity] for f in findings), default=0)

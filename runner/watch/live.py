@@ -49,7 +49,7 @@ def run_live(
                         if hw.snap is not None:
                             exporter.update(hw.snap, hw.findings)
                 changed = _signature(session)
-                live.update(view(session), refresh=True, changed=changed)
+                live.update(lambda: view(session), changed=changed)
                 if on_tick is not None:
                     on_tick()
                 if session.finished():
@@ -78,8 +78,8 @@ class _LiveAdapter:
     def __exit__(self, *exc: Any) -> None:
         self.live.__exit__(*exc)
 
-    def update(self, renderable: Any, refresh: bool = True, changed: object = None) -> None:
-        self.live.update(renderable, refresh=refresh)
+    def update(self, build: Callable[[], Any], changed: object = None) -> None:
+        self.live.update(build(), refresh=True)
 
 
 class _Plain:
@@ -95,8 +95,8 @@ class _Plain:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def update(self, renderable: Any, refresh: bool = True, changed: object = None) -> None:
-        """Printed when the findings or actions change, and every 30 s."""
+    def update(self, build: Callable[[], Any], changed: object = None) -> None:
+        """Built and printed when the findings or actions change, and every 30 s."""
         if changed != self.seen or time.monotonic() - self.last >= 30:
-            console.print(renderable)
+            console.print(build())
             self.last, self.seen = time.monotonic(), changed

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,11 @@ from runner.exec import remote
 from runner.launch.apply import relaunch
 from runner.launch.control import proc_tool
 from runner.launch.registry import HostRecord, RunRecord
-from runner.rundir import RunLocation, append_event
+from runner.rundir import RunLocation, append_event, clean_stop
 from runner.watch.actions import Actor, Policy, signal_args
 from runner.watch.baseline import key_of, update_from_healthy_run
 from runner.watch.bundle import sampler_argv
-from runner.watch.findings import Finding, exit_code
+from runner.watch.findings import Finding, exit_code, stop_reason
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
 from runner.watch.watcher import Watcher, start_sampler
@@ -104,9 +103,8 @@ class WatchSession:
         `dflashctl stop`), with no relaunch pending."""
         done = 0
         for hw in self.hosts:
-            stopped = next((f for f in hw.findings if f.kind == "job_stopped"), None)
-            reason = str(stopped.numbers.get("reason") or "") if stopped else None
-            if reason is not None and (reason == "completed" or reason.startswith("signal")):
+            reason = stop_reason(hw.findings)
+            if reason is not None and clean_stop(reason):
                 done += 1
             elif reason is not None and not self.policy.restart:
                 done += 1  # nothing will bring it back
@@ -123,8 +121,7 @@ class WatchSession:
             latest = hw.watcher.history.latest
             if latest is None or hw.critical_after_warmup or not hw.acting:
                 continue
-            stopped = next((f for f in hw.findings if f.kind == "job_stopped"), None)
-            if stopped is None or stopped.numbers.get("reason") != "completed":
+            if stop_reason(hw.findings) != "completed":
                 continue
             key = key_of(hw.watcher.history.manifest)
             if key is None:
@@ -145,12 +142,10 @@ class WatchSession:
                     hw.proc.kill()
 
 
-def wait_first(session: WatchSession, timeout: float, on_tick: Callable[[], None] | None = None) -> None:
+def wait_first(session: WatchSession, timeout: float) -> None:
     """Until every host's sampler sent a line (or timeout): --once must judge a real sample."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         session.refresh(timeout=0.5)
         if all(hw.watcher.history.latest is not None or hw.watcher.ended for hw in session.hosts):
             return
-        if on_tick:
-            on_tick()
