@@ -122,7 +122,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     import torch
 
     from dflash.pipeline import worker_devices
-    from dflash.placement import missing_devices, placement_problems
+    from dflash.placement import cuda_index, missing_devices, placement_problems
     from dflash.resolve import resolve_backend, resolve_device
 
     try:
@@ -145,7 +145,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         valid = []
         for name in listed:
             try:
-                _cuda_index(name)
+                cuda_index(name)
                 valid.append(name)
             except ValueError as e:
                 report.error(key, str(e))
@@ -157,9 +157,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
 
     targets, drafters = worker_devices(cfg)
     for problem in placement_problems(cfg, targets, drafters, device_count=None):
-        # Unlisted devices are derived: then the worker counts are what to change.
-        key = problem.key if getattr(p, problem.key.split(".")[1]) else "pipeline.drafters"
-        report.error(key, problem.problem)
+        report.config_error(problem)
 
 
 def _check_data(cfg: JobConfig, report: Report) -> None:
@@ -168,21 +166,6 @@ def _check_data(cfg: JobConfig, report: Report) -> None:
         # The job reads one file (dflash.data.load_dataset), so a directory is refused here too.
         what = "is a directory" if path.is_dir() else "is not a readable file"
         report.error("data.path", f"{path} {what}; pass a JSONL file of text/messages records, or `demo`")
-
-
-def _cuda_index(name: str) -> int | None:
-    """The GPU a device name asks for; None for cpu. ValueError for anything the job cannot use."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"{name!r} is not a device; use cpu or cuda:N") from e
-    if device.type == "cpu":
-        return None
-    if device.type != "cuda":
-        raise ValueError(f"{name!r}: only cpu and cuda:N devices are supported")
-    return device.index or 0
 
 
 def _check_writable(key: str, path: str, report: Report) -> None:

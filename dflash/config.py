@@ -395,7 +395,9 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "enough to keep would be truncated below it; lower data.min_seq_len",
         )
         problems.append((problem, ("data.min_seq_len", "data.max_seq_len")))
-    longest = -(-d.max_seq_len // d.bucket_multiple) * d.bucket_multiple
+    from dflash.shapes import anchors_for, round_up  # (dflash.shapes reads configs: imported here)
+
+    longest = round_up(d.max_seq_len, d.bucket_multiple)
     if t.token_budget < longest:
         problem = ConfigError(
             "train.token_budget",
@@ -404,8 +406,6 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "raise train.token_budget or lower data.max_seq_len",
         )
         problems.append((problem, ("train.token_budget", "data.max_seq_len", "data.bucket_multiple")))
-    from dflash.shapes import anchors_for  # (dflash.shapes reads configs: imported here, not above)
-
     one_row = anchors_for(longest, t.num_anchors) * cfg.drafter.block_size
     if t.block_token_budget and t.block_token_budget < one_row:
         problem = ConfigError(

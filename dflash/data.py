@@ -26,8 +26,8 @@ import torch
 from dflash.config import DataConfig
 from dflash.errors import DFlashError
 from dflash.rundir import atomic_write_bytes, unusable_reason
-from dflash.shapes import ShapePlan
-from dflash.tokenizer import RecordError, Tokenizer
+from dflash.shapes import ShapePlan, round_up
+from dflash.tokenizer import RecordError, Tokenizer, lone_surrogate
 
 CACHE_FORMAT = "tokcache-v1"
 _LOGGED_PER_REASON = 20  # individual file:line messages per reason; the rest only counted
@@ -86,15 +86,6 @@ class _TooShort(RecordError):
     """A well-formed record that the length settings leave nothing of: skipped, but not bad."""
 
 
-def _unicode_problem(text: str) -> str | None:
-    """A lone surrogate (JSON allows the escape, "\\ud800"; UTF-8 and tokenizers do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
-    return None
-
-
 def _parse_record(raw: bytes) -> str | list[Any]:
     """A record's `text` string or its `messages` list; RecordError names what is wrong."""
     try:
@@ -114,9 +105,11 @@ def _parse_record(raw: bytes) -> str | list[Any]:
     if "text" in rec:
         if not isinstance(rec["text"], str):
             raise RecordError("`text` is not a string")
-        problem = _unicode_problem(rec["text"])
-        if problem is not None:
-            raise RecordError(f"`text` is not valid Unicode ({problem})")
+        bad = lone_surrogate(rec["text"])
+        if bad is not None:
+            raise RecordError(
+                f"`text` is not valid Unicode (a lone surrogate U+{bad[0]:04X} at character {bad[1]})"
+            )
         return rec["text"]
     if "messages" in rec:
         if not isinstance(rec["messages"], list):
@@ -439,7 +432,7 @@ class TokenBudgetBatcher:
         self.world_size = world_size
         self._lengths = ds.lengths  # np.diff over every offset: once, not per batch
         m = self.bucket_multiple
-        self._bucket_len = (self._lengths + m - 1) // m * m
+        self._bucket_len = round_up(self._lengths, m)
         outside = sorted(set(np.unique(self._bucket_len).tolist()) - set(plan.lengths))
         if outside:
             raise DFlashError(

@@ -58,14 +58,20 @@ LOCAL_ENDPOINT = "127.0.0.1:0"
 
 def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
     """The largest batch the targets can publish: each length bucket pads to a fixed row count."""
-    from dflash.shapes import shape_plan
-
     if cfg.pipeline.slot_mb:
         return cfg.pipeline.slot_mb << 20
-    largest = 0
-    for s in shape_plan(cfg).shapes:
-        largest = max(largest, s.rows * s.length * (features * elem_bytes + 8 + 1) + s.rows * 8)
-    return largest + (1 << 16)  # headers and alignment
+    return _largest_batch_bytes(cfg, features, elem_bytes)
+
+
+def _largest_batch_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
+    """Bytes of the largest planned batch in the transport, with its headers and alignment."""
+    from dflash.shapes import shape_plan
+
+    largest = max(
+        (s.rows * s.length * (features * elem_bytes + 8 + 1) + s.rows * 8 for s in shape_plan(cfg).shapes),
+        default=0,
+    )
+    return largest + (1 << 16)
 
 
 def slot_problem(cfg: JobConfig, features: int, elem_bytes: int) -> str | None:
@@ -73,10 +79,7 @@ def slot_problem(cfg: JobConfig, features: int, elem_bytes: int) -> str | None:
     such batch, long after the start); None when it is 0 (derived) or large enough."""
     if not cfg.pipeline.slot_mb:
         return None
-    import dataclasses
-
-    derived = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, slot_mb=0))
-    need = slot_bytes(derived, features, elem_bytes)
+    need = _largest_batch_bytes(cfg, features, elem_bytes)
     if cfg.pipeline.slot_mb << 20 >= need:
         return None
     return (

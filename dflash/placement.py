@@ -139,11 +139,31 @@ def fit_problems(
     return problems
 
 
-def _index(dev: str) -> int | None:
-    if not dev.startswith("cuda"):
+def cuda_index(name: str) -> int | None:
+    """The GPU a device name asks for; None for cpu. ValueError for anything the job cannot use."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"{name!r} is not a device; use cpu or cuda:N") from e
+    if device.type == "cpu":
         return None
-    _, _, idx = dev.partition(":")
-    return int(idx) if idx.isdigit() else 0
+    if device.type != "cuda":
+        raise ValueError(f"{name!r}: only cpu and cuda:N devices are supported")
+    return device.index or 0
+
+
+def device_name_problems(targets: list[str], drafters: list[str]) -> list[ConfigError]:
+    """Device names the job cannot use, under the key that lists them."""
+    problems = []
+    for key, devs in (("pipeline.target_devices", targets), ("pipeline.drafter_devices", drafters)):
+        for d in devs:
+            try:
+                cuda_index(d)
+            except ValueError as e:
+                problems.append(ConfigError(key, str(e)))
+    return problems
 
 
 def target_weight_bytes(target_path: str | None) -> int:
@@ -159,7 +179,9 @@ def target_weight_bytes(target_path: str | None) -> int:
 
 def missing_devices(key: str, devices: list[str], device_count: int) -> ConfigError | None:
     """The devices of a list (config key `key`) that this host, with device_count GPUs, lacks."""
-    missing = list(dict.fromkeys(d for d in devices if (i := _index(d)) is not None and i >= device_count))
+    missing = list(
+        dict.fromkeys(d for d in devices if (i := cuda_index(d)) is not None and i >= device_count)
+    )
     if not missing:
         return None
     n = device_count
@@ -178,13 +200,17 @@ def placement_problems(
     target_path: str | None = None,
 ) -> list[ConfigError]:
     """Every placement rule the devices break (see the module doc). device_count None: not known here."""
-    problems: list[ConfigError] = []
-    cuda_drafters = [d for d in drafters if _index(d) is not None]
-    dup = sorted({d for d, n in Counter(f"cuda:{_index(d)}" for d in cuda_drafters).items() if n > 1})
+    problems = device_name_problems(targets, drafters)
+    if problems:
+        return problems
+    cuda_drafters = [d for d in drafters if cuda_index(d) is not None]
+    dup = sorted({d for d, n in Counter(f"cuda:{cuda_index(d)}" for d in cuda_drafters).items() if n > 1})
     if dup:
+        # Derived devices (the list left empty): then the worker count is what to change.
+        key = "pipeline.drafter_devices" if cfg.pipeline.drafter_devices else "pipeline.drafters"
         problems.append(
             ConfigError(
-                "pipeline.drafter_devices",
+                key,
                 f"puts more than one drafter rank on {', '.join(dup)} ({drafters}): NCCL refuses two "
                 "ranks of one group on one device. Give each drafter its own GPU, or lower pipeline.drafters",
             )
@@ -194,7 +220,7 @@ def placement_problems(
             problem = missing_devices(key, devs, device_count)
             if problem is not None:
                 problems.append(problem)
-    shared = sorted({_index(d) for d in targets} & {_index(d) for d in cuda_drafters} - {None})
+    shared = sorted({cuda_index(d) for d in targets} & {cuda_index(d) for d in cuda_drafters} - {None})
     if shared and record and totals:
         drafter = worst(record, "drafter")
         target = worst(record, "target")
@@ -205,7 +231,7 @@ def placement_problems(
             total = totals.get(i)
             if drafter is None or total is None:
                 continue
-            need = drafter[1] + target_bytes * sum(1 for d in targets if _index(d) == i)
+            need = drafter[1] + target_bytes * sum(1 for d in targets if cuda_index(d) == i)
             if need > total - int(limit_gb * GIB):
                 problems.append(
                     ConfigError(
@@ -247,7 +273,10 @@ def preflight(cfg: JobConfig, targets: list[str], drafters: list[str], target_pa
 
     from dflash.compile_cache import CACHE_DIR_ENV
 
-    uses_cuda = any(_index(d) is not None for d in [*targets, *drafters])
+    names = device_name_problems(targets, drafters)
+    if names:
+        raise names[0]
+    uses_cuda = any(cuda_index(d) is not None for d in [*targets, *drafters])
     count, totals = host_devices() if uses_cuda else (None, {})
     cache_dir = os.environ.get(CACHE_DIR_ENV)
     record = restored_memory(Path(cache_dir)) if cache_dir else None
@@ -257,7 +286,7 @@ def preflight(cfg: JobConfig, targets: list[str], drafters: list[str], target_pa
         )
     )
     if record and not problems:
-        for i in sorted({i for d in drafters if (i := _index(d)) is not None}):
+        for i in sorted({i for d in drafters if (i := cuda_index(d)) is not None}):
             for text in fit_problems(record, totals.get(i), cfg.run.memory_headroom_gb, where=f"cuda:{i}"):
                 problems.append(MemoryPlanError(text))
     if problems:

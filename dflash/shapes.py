@@ -152,11 +152,14 @@ class ShapePlan:
         }
 
 
+def round_up(n: Any, multiple: int) -> Any:
+    """n (an int or an integer array) rounded up to a multiple: the bucket length of a sequence."""
+    return -(-n // multiple) * multiple
+
+
 def bucket_lengths(min_seq_len: int, max_seq_len: int, bucket_multiple: int) -> list[int]:
     m = bucket_multiple
-    lo = max(m, -(-min_seq_len // m) * m)
-    hi = -(-max_seq_len // m) * m
-    return list(range(lo, hi + 1, m))
+    return list(range(max(m, round_up(min_seq_len, m)), round_up(max_seq_len, m) + 1, m))
 
 
 def anchors_for(length: int, num_anchors: int) -> int:

@@ -37,6 +37,16 @@ class Tokenizer(Protocol):
     def identity(self) -> str: ...
 
 
+def lone_surrogate(text: str) -> tuple[int, int] | None:
+    """(code point, character index) of the first lone surrogate in text, if any: JSON allows its
+    escape ("\\ud800"), UTF-8 and tokenizers do not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ord(text[e.start]), e.start
+    return None
+
+
 def _check_messages(messages: Any) -> list[tuple[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise RecordError("`messages` must be a non-empty list")
@@ -48,12 +58,11 @@ def _check_messages(messages: Any) -> list[tuple[str, str]]:
         if not isinstance(role, str) or not isinstance(content, str):
             raise RecordError(f"messages[{i}] needs string `role` and `content`")
         for name, text in (("role", role), ("content", content)):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate: JSON allows its escape, tokenizers do not
+            bad = lone_surrogate(text)
+            if bad is not None:
                 raise RecordError(
-                    f"messages[{i}].{name} is not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X})"
-                ) from None
+                    f"messages[{i}].{name} is not valid Unicode (a lone surrogate U+{bad[0]:04X})"
+                )
         out.append((role, content))
     if not any(role == "assistant" and content for role, content in out):
         raise RecordError("no non-empty assistant turn to train on")

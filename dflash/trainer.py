@@ -45,13 +45,12 @@ def pad_batch(plan: ShapePlan, batch: Any) -> tuple[torch.Tensor, torch.Tensor, 
     return pad_rows(batch.input_ids_BL, batch.loss_mask_BL, batch.seq_lens_B, rows)
 
 
-def apply_compile(model: DFlashDrafter, cfg: JobConfig, plan: ShapePlan) -> None:
+def apply_compile(model: DFlashDrafter, cfg: JobConfig) -> None:
     """Regional compile (torchtitan style): each decoder layer is compiled; identical layers share one
     graph per shape. The warm-cache entry point calls this same function, so warm and train hit the
-    same graphs; the recompile limit comes from the plan (every planned graph, nothing else)."""
+    same graphs."""
     if not cfg.attention.compile:
         return
-    apply_recompile_limit(plan)
     for layer in model.layers:
         layer.compile(dynamic=False)
 
@@ -136,7 +135,10 @@ class DrafterTrainer:
             sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
             compile=cfg.attention.compile,
         ).to(device)
-        apply_compile(model, cfg, self.plan)
+        # Every compiled part of this process (the drafter's layers; the target's too in the
+        # single-process job and in warm): the plan's graphs, nothing else (dflash.shapes).
+        apply_recompile_limit(self.plan)
+        apply_compile(model, cfg)
         self.model = model
         self.module: nn.Module = wrap_ddp(model, device) if world_size > 1 else model
         self.params = params = [p for p in model.parameters() if p.requires_grad]
