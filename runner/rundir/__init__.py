@@ -13,6 +13,8 @@ from runner.rundir.reader import (
     RunView,
     append_event,
     clean_stop,
+    last_lifecycle,
+    parse_jsonl,
     read_run,
     tail_argv,
 )
@@ -24,6 +26,8 @@ __all__ = [
     "RunView",
     "append_event",
     "clean_stop",
+    "last_lifecycle",
+    "parse_jsonl",
     "read_run",
     "tail_argv",
 ]

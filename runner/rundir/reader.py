@@ -7,6 +7,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,11 +85,7 @@ class RunView:
         return self.metrics[-1] if self.metrics else None
 
     def last_lifecycle(self) -> dict[str, Any] | None:
-        """The newest started / launched / stopped event (a resume appends a new start)."""
-        for e in reversed(self.events):
-            if e.get("event") in ("started", "launched", "stopped"):
-                return e
-        return None
+        return last_lifecycle(self.events)
 
     def state(self, *, started_at: float | None = None, grace_s: float = 120.0) -> str:
         """running | starting | stopped | failed | stale: what `dflashctl ps` shows."""
@@ -110,7 +107,15 @@ class RunView:
         return str(last.get("reason")) if last and last.get("event") == "stopped" else None
 
 
-def _jsonl(text: str) -> list[dict[str, Any]]:
+def last_lifecycle(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest started / launched / stopped event (a resume appends a new start)."""
+    for e in reversed(events):
+        if e.get("event") in ("started", "launched", "stopped"):
+            return e
+    return None
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
     """Complete records; the cut-off first line of a tail and a torn last line are skipped."""
     out = []
     for line in text.splitlines():
@@ -196,8 +201,8 @@ def read_run(
         exists=True,
         manifest=manifest,
         lock_pid=_lock_holder(sections.get("lock", "").strip(), sections.get("locks", "")),
-        metrics=_jsonl(sections.get("metrics", "")),
-        events=_jsonl(sections.get("events", "")),
+        metrics=parse_jsonl(sections.get("metrics", "")),
+        events=parse_jsonl(sections.get("events", "")),
         heartbeats=heartbeats,
     )
 

@@ -23,12 +23,13 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
+from runner.rundir import last_lifecycle, parse_jsonl
 from runner.watch.signals import fmt_duration, fmt_tok
 
 if TYPE_CHECKING:
@@ -49,22 +50,12 @@ NO_SAMPLES = "no watch samples\n(GPU readings are kept while `dflashctl watch RU
 NO_GPUS = "no GPU readings in the watch samples\n(a CPU run, or NVML was unavailable on the host)"
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """The complete JSON objects of a JSON Lines file, in order; a torn or garbled line is skipped,
-    a missing file is empty."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON objects of a JSON Lines file, in order (runner.rundir.parse_jsonl: a torn or
+    garbled line is skipped); a missing file is empty."""
     if not path.is_file():
-        return
-    with open(path, "rb") as f:
-        for line in f:
-            line = line.strip()
-            if not line.startswith(b"{"):
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                yield rec
+        return []
+    return parse_jsonl(path.read_bytes().decode("utf-8", errors="replace"))
 
 
 def _num(x: Any) -> float | None:
@@ -215,12 +206,10 @@ def _bounds(data: RunData) -> tuple[float | None, float | None]:
     return start, end
 
 
-def _stop(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def _stop(events: Sequence[dict[str, Any]]) -> Mapping[str, Any] | None:
     """The newest started/launched/stopped event, if it is a stop (a resume starts again)."""
-    for e in reversed(events):
-        if e.get("event") in ("started", "launched", "stopped"):
-            return e if e.get("event") == "stopped" else None
-    return None
+    last = last_lifecycle(events)
+    return last if last is not None and last.get("event") == "stopped" else None
 
 
 def summarize(data: RunData, png: Path) -> ReportSummary:
