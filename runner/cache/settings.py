@@ -24,18 +24,24 @@ def config_path() -> Path:
 
 def cache_table(path: Path | None = None) -> dict[str, Any]:
     """The [cache] table ({} without a config file); a file that is not TOML is refused."""
+    return config_table("cache", path)
+
+
+def config_table(name: str, path: Path | None = None) -> dict[str, Any]:
+    """A table of dflashctl's config file ({} without the file or the table); a file that is not
+    TOML, or a `name` that is not a table, is refused naming the file."""
     cfg_file = path or config_path()
     if not cfg_file.is_file():
         return {}
     try:
-        table = tomllib.loads(cfg_file.read_text()).get("cache", {})
+        table = tomllib.loads(cfg_file.read_text()).get(name, {})
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"{cfg_file} is not valid TOML: {e}; fix it or move it aside") from None
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"cannot read {cfg_file}: {e}; fix its permissions or move it aside") from None
     if not isinstance(table, dict):
-        raise BadInput(f"{cfg_file}: `cache` must be a table ([cache]), not {type(table).__name__}")
-    return table
+        raise BadInput(f"{cfg_file}: `{name}` must be a table ([{name}]), not {type(table).__name__}")
+    return dict(table)
 
 
 def keep_previous(path: Path | None = None) -> int:

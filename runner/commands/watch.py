@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from runner.cache.signing import config_path
+from runner.cache.settings import config_path, config_table
 from runner.console import cli_errors, console
 from runner.envs import tomllib
 from runner.errors import RunnerError
@@ -23,13 +23,7 @@ from runner.watch.thresholds import Thresholds
 
 def thresholds_from(overrides: list[str]) -> Thresholds:
     """`[watch]` of dflashctl's config file, then --threshold key=value (CLI > file > defaults)."""
-    table: dict[str, Any] = {}
-    path = config_path()
-    if path.is_file():
-        try:
-            table = dict(tomllib.loads(path.read_text()).get("watch", {}))
-        except tomllib.TOMLDecodeError as e:
-            raise RunnerError(f"{path}: {e}") from None
+    table = config_table("watch")
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -38,7 +32,7 @@ def thresholds_from(overrides: list[str]) -> Thresholds:
             table[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             raise RunnerError(f"--threshold {o!r}: {value!r} is not a number") from None
-    return Thresholds.from_table(table, where=f"[watch] ({path}) / --threshold")
+    return Thresholds.from_table(table, where=f"[watch] ({config_path()}) / --threshold")
 
 
 def find_run(ref: str) -> RunRecord:
