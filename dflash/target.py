@@ -117,9 +117,13 @@ class TargetCapture:
         layers = _decoder_layers(base, keep)
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(self._make_hook(slot))
-        if compile:  # regional: identical layers share one graph; the capture hooks run outside it
+        if compile:
+            # Regional: each layer's forward is compiled (identical layers share one graph per shape)
+            # and the capture hooks run eagerly around it. Compiling the whole module call would trace
+            # the hooks too, one graph per captured slot (the slot is a constant of the hook), past
+            # the plan's recompile limit (dflash.shapes counts the layer graphs).
             for layer in layers:
-                layer.compile(dynamic=False)
+                layer.forward = torch.compile(layer.forward, dynamic=False)
 
     def _make_hook(self, slot: int):  # noqa: ANN202 - a torch hook
         h = self.hidden_size
