@@ -323,10 +323,17 @@ class TrainConfig:
     epochs: Annotated[float, Positive] = 1.0
     """Used for the ETA/epoch estimate only; the run stops at total_steps."""
     loss_chunk_tokens: Annotated[int, AtLeast1] = 8192
-    """Block tokens per LM-head/cross-entropy chunk (bounds the logits memory)."""
+    """Block tokens per LM-head/cross-entropy chunk (bounds the logits memory; fused, rounded down to
+    a multiple of 64)."""
+    fused_loss: str = "auto"
+    """true | false | auto (true on GPU with attention.compile): each loss chunk's softmax,
+    cross-entropy, accuracy and logits gradient as one compiled function (two generated kernels)
+    instead of eager elementwise passes over fp32 [chunk, vocab]. Same results, less time and memory."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if str(self.fused_loss).lower() not in ("true", "false", "auto"):
+            raise ConfigError("train.fused_loss", f"must be true, false or auto, got {_show(self.fused_loss)}")
         if len(self.betas) != 2:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 

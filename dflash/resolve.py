@@ -1,5 +1,5 @@
 """What a job config resolves to on this machine, decided without building a model: device,
-attention backend, kernel strictness, the captured target layers, and the
+attention backend, kernel strictness, the fused loss, the captured target layers, and the
 process state compiled code depends on (intra-op threads, DDP) for each kind of job process.
 
 The trainer, the launcher, the workers, warm-cache, the fingerprint and the config check
@@ -43,6 +43,13 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.attention.strict_kernels).lower()
     return device.type == "cuda" if s == "auto" else s == "true"
+
+
+def resolve_fused_loss(cfg: JobConfig, device: torch.device) -> bool:
+    """train.fused_loss: auto compiles the loss chunk where the drafter is compiled on a GPU (on the
+    CPU the eager chunk is fast enough, and a compile costs every short CPU run seconds)."""
+    s = str(cfg.train.fused_loss).lower()
+    return device.type == "cuda" and cfg.attention.compile if s == "auto" else s == "true"
 
 
 def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:

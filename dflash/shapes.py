@@ -19,7 +19,8 @@ Compiled graphs: the drafter's decoder layers are compiled one by one and share 
 dynamo keeps one graph per (length bucket, layer type, input requires grad): the sliding window is
 a constant the layer's graph is specialised on, and the first layer's input (the frozen embedding's
 output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
-(unpadded and padded batches) per target layer type. The recompile limit is set to the largest of
+(unpadded and padded batches) per target layer type. The fused loss (train.fused_loss) is one
+graph of its own code: its row count is dynamic. The recompile limit is set to the largest of
 these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
 """

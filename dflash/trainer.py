@@ -20,7 +20,7 @@ from dflash.config import JobConfig
 from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import block_labels, dflash_loss, expected_streak, sample_anchors
-from dflash.resolve import resolve_backend
+from dflash.resolve import resolve_backend, resolve_fused_loss
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
 
@@ -125,6 +125,7 @@ class DrafterTrainer:
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
+        self.fused_loss = resolve_fused_loss(cfg, device)
         self.plan = plan if plan is not None else shape_plan(cfg)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = DFlashDrafter(
@@ -190,6 +191,7 @@ class DrafterTrainer:
                 valid_BAK,
                 self.cfg.train.gamma,
                 self.cfg.train.loss_chunk_tokens,
+                fused=self.fused_loss,
             )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from dflash.objective import block_labels, dflash_loss, expected_streak, position_weights, sample_anchors
@@ -81,9 +82,11 @@ def _reference_loss(hidden, head, labels, valid, gamma):  # noqa: ANN001, ANN202
     return (ce * w).sum() / w.sum()
 
 
-def test_gradient_taken_in_forward_matches_autograd_for_hidden_and_a_trainable_head():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_gradient_taken_in_forward_matches_autograd_for_hidden_and_a_trainable_head(fused: bool):
     """The CE gradient is computed chunk by chunk during forward; it must equal plain autograd through
-    the full logits, for the hidden states and (when it requires grad) the head, at any chunk size."""
+    the full logits, for the hidden states and (when it requires grad) the head, at any chunk size,
+    eagerly and through the compiled chunk function (train.fused_loss), in float64."""
     torch.manual_seed(1)
     B, A, K, H, V = 2, 4, 6, 16, 37
     labels = torch.randint(0, V, (B, A, K))
@@ -96,7 +99,7 @@ def test_gradient_taken_in_forward_matches_autograd_for_hidden_and_a_trainable_h
     (ref * 3.0).backward()  # a non-unit upstream gradient must scale both
     for chunk in (1, 7, 10_000):
         hidden, head = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        out = dflash_loss(hidden, head, labels, valid, gamma=5.0, chunk_tokens=chunk)
+        out = dflash_loss(hidden, head, labels, valid, gamma=5.0, chunk_tokens=chunk, fused=fused)
         (out.loss * 3.0).backward()
         assert torch.allclose(out.loss, ref, atol=1e-10), chunk
         assert torch.allclose(hidden.grad, hidden_ref.grad, atol=1e-8), chunk
@@ -125,3 +128,63 @@ def test_loss_under_bf16_autocast_and_with_nothing_to_train():
     none = dflash_loss(hidden, head, labels, torch.zeros_like(valid), gamma=7.0)
     none.loss.backward()
     assert none.tokens == 0 and none.loss.item() == 0 and math.isnan(none.acc)
+
+
+def test_fused_loss_is_one_graph_for_every_batch_and_matches_the_eager_chunk():
+    """The trained-token count changes with every batch: the compiled chunk keeps one graph (its row
+    count dynamic, padded rows weighted 0), and loss, accuracy and gradient equal the eager path's."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    B, A, K, H, V = 2, 20, 8, 16, 97
+    labels = torch.randint(0, V, (B, A, K))
+    head = torch.randn(V, H, dtype=torch.float64)
+    h0 = torch.randn(B, A, K, H, dtype=torch.float64)
+    dflash_loss(h0.clone().requires_grad_(), head, labels, torch.rand(B, A, K) > 0.5, 7.0, 64, fused=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for thr in (0.1, 0.45, 0.8, 0.97):
+        valid = torch.rand(B, A, K) > thr
+        valid[..., 0] = False
+        outs = []
+        for fused in (False, True):
+            hidden = h0.clone().requires_grad_()
+            out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=100, fused=fused)
+            out.loss.backward()
+            outs.append((out, hidden.grad))
+        (eager, g_eager), (fused_out, g_fused) = outs
+        assert fused_out.tokens == eager.tokens == int(valid.sum())
+        assert torch.allclose(fused_out.loss, eager.loss, atol=1e-12)
+        assert torch.allclose(g_fused, g_eager, atol=1e-14)
+        assert fused_out.acc_per_pos == eager.acc_per_pos
+    assert counters["stats"]["unique_graphs"] == graphs, "a new trained-token count recompiled the loss"
+
+
+@pytest.mark.gpu
+def test_fused_loss_on_gpu_matches_the_float64_reference_within_bf16_tolerance():
+    """Under bf16 autocast on the GPU, as the trainer runs it: loss and input gradient against the
+    float64 reference; the chunked path never holds the [N, V] logits (peak well under one copy)."""
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    B, A, K, H, V = 2, 128, 16, 512, 32000
+    labels = torch.randint(0, V, (B, A, K), device=dev)
+    valid = torch.rand(B, A, K, device=dev) > 0.1
+    valid[..., 0] = False
+    h0 = torch.randn(B, A, K, H, device=dev)
+    head = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.05
+    ref_hidden = h0.double().requires_grad_()
+    ref = _reference_loss(ref_hidden, head.double(), labels, valid, 7.0)
+    ref.backward()
+    n = int(valid.sum())
+    for fused in (False, True):
+        hidden = h0.clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=1024, fused=fused)
+        out.loss.backward()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < n * V * 2, f"fused={fused}: {peak / 2**20:.0f} MiB is a full copy of the logits"
+        assert abs(out.loss.item() - ref.item()) < 2e-2 * ref.item(), fused
+        err = (hidden.grad.double() - ref_hidden.grad).norm() / ref_hidden.grad.norm()
+        assert err < 2e-2, f"fused={fused}: relative gradient error {err:.2e}"
