@@ -1,90 +1,69 @@
-"""Drafter training step (fwd + bwd + AdamW) throughput and MFU at the Qwen3-8B drafter size.
+"""The drafter's training step as the job runs it: `DrafterTrainer.train_step`, tokens/s and MFU.
 
-H200 (hidden 4096, 32 heads / 8 kv heads, head dim 128, intermediate 12288, vocab 151936, 5 layers =
-4 sliding (window 2048) + 1 full, k=5 target layers, block 16, 512 anchors per sequence, bf16
-autocast with fp32 master weights and fp32 AdamW state; random target features):
-    .venv/bin/python bench/drafter_step.py --out $OUT/drafter_step.json
+The trainer is built exactly as a drafter worker builds it (dflash.trainer.DrafterTrainer: regional
+compile of every decoder layer, the fused loss where train.fused_loss resolves true, clipping, fused
+AdamW, bf16 autocast, the shape plan), from configs/qwen3-8b.toml with the bench's batch shape set
+on it, and a target config of Qwen3-8B's sizes (random frozen embedding and head, random target
+features). Nothing here re-implements the step.
+
+H200 (hidden 4096, 32/8 heads, head dim 128, intermediate 12288, vocab 151936; the config's drafter:
+4 sliding (window 2048) + 1 full layer, 5 target layers, block 16; 2 x 4096 tokens, 512 anchors each):
+    python bench/drafter_step.py --out $OUT/drafter_step.json
+    python bench/drafter_step.py --backends flex --profile --out $OUT/drafter_step.json
+    python bench/drafter_step.py --set train.fused_loss=false ...      # the step before the fused loss
 CPU smoke run at a tiny size (sdpa only: flex has no backward on CPU):
-    .venv/bin/python bench/drafter_step.py --tiny --out /tmp/drafter_step.json
+    python bench/drafter_step.py --tiny --profile --out /tmp/drafter_step.json
 
-FLOPs (stated once, counted per step):
+FLOPs (stated once, counted per step, for the anchors the step really sampled):
   trainable linears: 6 * params * tokens they see (fc over B*S context tokens; q_proj, o_proj, MLP over
       the N = B*A*K block tokens; k_proj, v_proj over B*S + N tokens);
   frozen LM head: 4 * V * H * N (forward + input gradient; no weight gradient: it is the target's);
   attention: 4 * D * heads * unmasked query-key pairs forward, x3.5 for fwd+bwd (FlashAttention
       convention), summed over layers with each layer's mask.
 MFU = FLOPs / step time / 989 TFLOP/s (H200 dense bf16); also reported against the measured 790.
-The loss is the job's own (dflash.objective.dflash_loss, as the trainer calls it): cross-entropy on
-block positions 1..K-1 against the tokens at anchor+k, weighted exp(-(k-1)/gamma), in chunks of
---loss-chunk block tokens with the head's input gradient taken in the forward pass, so the [N, V]
-logits never exist in full and are never recomputed.
+
+--profile: torch.profiler over --profile-steps steps after the timed ones; the top kernels by device
+time, and a split: matmul (cuBLAS/CUTLASS GEMM kernels, the head's included), attention (flex
+templates, flash/efficient SDPA kernels), loss (every other kernel launched inside the trainer's
+`dflash.loss` range), optimizer (inside `dflash.optimizer`: clipping and AdamW), other (the rest:
+norms, rope, activations, copies, the attention backward's preprocessing).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from common import default_out, write_report  # noqa: E402  (bench/, the script's own directory)
-
-from dflash.attention.mask import allowed_pairs  # noqa: E402
-from dflash.model import DFlashDrafter, DrafterSpec  # noqa: E402
-from dflash.objective import block_labels, dflash_loss  # noqa: E402
+from pipeline import QWEN3_8B, TINY  # noqa: E402
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
+CONFIG = REPO / "configs" / "qwen3-8b.toml"
+TINY_DRAFTER = [
+    "drafter.num_layers=3",
+    'drafter.layer_types=["sliding_attention","sliding_attention","full_attention"]',
+    "drafter.sliding_window=32",
+    "drafter.block_size=4",
+    "drafter.num_target_layers=3",
+    f"drafter.mask_token_id={TINY['vocab_size'] - 1}",
+    "run.device=cpu",
+    "target.dtype=float32",
+    "attention.strict_kernels=false",
+]
 
 
-def make_spec(tiny: bool) -> DrafterSpec:
-    if tiny:
-        return DrafterSpec(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_layers=3,
-            layer_types=["sliding_attention"] * 2 + ["full_attention"],
-            sliding_window=32,
-            block_size=4,
-            target_layer_ids=[1, 3, 5],
-            mask_token_id=255,
-            vocab_size=256,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            max_position_embeddings=4096,
-            target_hidden_size=64,
-            target_num_hidden_layers=8,
-        )
-    return DrafterSpec(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        num_layers=5,
-        layer_types=["sliding_attention"] * 4 + ["full_attention"],
-        sliding_window=2048,
-        block_size=16,
-        target_layer_ids=[1, 9, 17, 25, 33],
-        mask_token_id=151669,
-        vocab_size=151936,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-        target_hidden_size=4096,
-        target_num_hidden_layers=36,
-    )
+def step_flops(spec: Any, B: int, S: int, anchors_BA: Any, seq_lens_B: Any) -> dict[str, float]:
+    from dflash.attention.mask import allowed_pairs
 
-
-def step_flops(spec: DrafterSpec, B: int, S: int, anchors_BA: torch.Tensor, seq_lens_B: torch.Tensor) -> dict:
     H, D, Hq, G, Fi, V = (
         spec.hidden_size,
         spec.head_dim,
@@ -110,6 +89,7 @@ def step_flops(spec: DrafterSpec, B: int, S: int, anchors_BA: torch.Tensor, seq_
             context_len=S,
             block_size=spec.block_size,
             window=spec.window(i),
+            causal_block=spec.sliding_block_causal and spec.window(i) is not None,
         )
         for i in range(spec.num_layers)
     )
@@ -121,117 +101,249 @@ def step_flops(spec: DrafterSpec, B: int, S: int, anchors_BA: torch.Tensor, seq_
     }
 
 
+MATMUL_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "dot_kernel")
+ATTENTION_MARKS = ("flex_attention", "flash", "fmha", "attention", "efficient_attention")
+
+
+def kernel_category(name: str, ranges: set[str]) -> str:
+    low = name.lower()
+    if any(m in low for m in ATTENTION_MARKS):
+        return "attention"
+    if any(m in low for m in MATMUL_MARKS) or low.startswith(("ampere_", "sm80_", "sm90_", "sm100_")):
+        return "matmul"
+    if "dflash.optimizer" in ranges:
+        return "optimizer"
+    if "dflash.loss" in ranges:
+        return "loss"
+    return "other"
+
+
+def profile_split(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
+    """Device time per category and the top kernels, per step (ms), from a finished torch.profiler.
+
+    A kernel is attributed to the trainer's ranges through the CPU op that launched it; kernels the
+    profiler links to no CPU op (some launched by compiled code) are still counted, by name alone."""
+    from torch.autograd import DeviceType
+
+    split: dict[str, float] = {k: 0.0 for k in ("matmul", "attention", "loss", "optimizer", "other")}
+    kernels: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, cat: str, us: float, calls: int) -> None:
+        ms = us / 1000.0 / steps
+        split[cat] += ms
+        row = kernels.setdefault(name, {"name": name[:160], "category": cat, "ms": 0.0, "calls": 0})
+        row["ms"] += ms
+        row["calls"] += calls
+
+    events = prof.events()
+    attributed: dict[str, float] = {}
+    for ev in events:
+        if not getattr(ev, "kernels", None) or ev.device_type != DeviceType.CPU:
+            continue
+        ranges, parent = set(), ev
+        while parent is not None:
+            ranges.add(parent.name)
+            parent = parent.cpu_parent
+        for k in ev.kernels:
+            add(k.name, kernel_category(k.name, ranges), k.duration, 1)
+            attributed[k.name] = attributed.get(k.name, 0.0) + k.duration
+    on_device: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.device_type == DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
+            row = on_device.setdefault(ev.name, [0.0, 0])
+            row[0] += ev.time_range.end - ev.time_range.start
+            row[1] += 1
+    unlinked = 0.0
+    for name, (us, _calls) in on_device.items():
+        rest = us - attributed.get(name, 0.0)
+        if rest > 1.0:  # microseconds the CPU-op links did not cover
+            unlinked += rest / 1000.0 / steps
+            add(name, kernel_category(name, set()), rest, 0)
+    ranked = sorted(kernels.values(), key=lambda r: -r["ms"])[:top]
+    for r in ranked:
+        r["calls"] = r["calls"] / steps
+    return {
+        "per_step_ms": {k: round(v, 3) for k, v in split.items()},
+        "device_ms_per_step": round(sum(split.values()), 3),
+        "unlinked_ms_per_step": round(unlinked, 3),
+        "top_kernels": ranked,
+    }
+
+
+def build_trainer(args: argparse.Namespace, backend: str) -> tuple[Any, Any, dict[str, Any]]:
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash.config import load_config
+    from dflash.model import resolve_spec
+    from dflash.session import torch_dtype
+    from dflash.trainer import DrafterTrainer
+
+    B, S, A = args.batch, args.seq_len, args.anchors
+    sets = [
+        f"data.max_seq_len={S}",
+        f"data.bucket_multiple={S}",
+        f"data.min_seq_len={min(32, S)}",
+        f"train.token_budget={B * S}",
+        f"train.max_batch_size={B}",
+        f"train.num_anchors={A}",
+        f"train.loss_chunk_tokens={args.loss_chunk}",
+        f"attention.backend={backend}",
+        f"attention.sdpa_chunk_blocks={args.sdpa_chunk_blocks}",
+    ]
+    sizes = dict(TINY if args.tiny else QWEN3_8B)
+    if args.tiny:
+        sets += TINY_DRAFTER
+    cfg = load_config(CONFIG, sets + list(args.set))
+    device = torch.device("cpu" if args.tiny else "cuda")
+    target_config = Qwen3Config(**sizes)
+    spec = resolve_spec(cfg.drafter, target_config, cfg.drafter.mask_token_id)
+    dtype = torch_dtype(cfg.target.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    embed = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(device, dtype)
+    head = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(device, dtype)
+    trainer = DrafterTrainer(cfg, spec, embed, head, device)
+    shape = trainer.plan.shape_for(S)
+    if shape.rows != B or shape.anchors != A:
+        raise SystemExit(f"the plan made {shape.name} with {shape.anchors} anchors, not {B}x{S} with {A}")
+    features = len(spec.target_layer_ids) * spec.target_hidden_size
+    batch = {
+        "input_ids_BL": torch.randint(0, spec.vocab_size - 1, (B, S), generator=gen).to(device),
+        "loss_mask_BL": torch.ones(B, S, dtype=torch.bool, device=device),
+        "seq_lens_B": torch.full((B,), S, device=device),
+        "target_hidden_BLF": torch.randn(B, S, features, generator=gen).to(device, dtype),
+    }
+    return trainer, cfg, batch
+
+
+def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    import torch
+
+    from dflash.objective import sample_anchors
+
+    trainer, cfg, batch = build_trainer(args, backend)
+    cuda = trainer.device.type == "cuda"
+
+    def step() -> Any:
+        return trainer.train_step(**batch)
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    warm_s = time.perf_counter() - t0
+    # The anchors the first timed step will sample (same generator state), for the FLOP count.
+    gen = torch.Generator().manual_seed(0)
+    gen.set_state(trainer.anchor_gen.get_state())
+    anchors_BA = sample_anchors(
+        batch["loss_mask_BL"], batch["seq_lens_B"], trainer.plan.shape_for(args.seq_len).anchors, gen
+    )
+    flops = step_flops(trainer.spec, args.batch, args.seq_len, anchors_BA, batch["seq_lens_B"])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    results = [step() for _ in range(args.steps)]  # each step ends in a device sync (loss.item())
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.steps
+    tflops = flops["total"] / dt / 1e12
+    res: dict[str, Any] = {
+        "backend": backend,
+        "fused_loss": trainer.fused_loss,
+        "compile": cfg.attention.compile,
+        "step_ms": dt * 1000,
+        "warmup_s": warm_s,
+        "seq_tokens_per_s": args.batch * args.seq_len / dt,
+        "block_tokens_per_s": anchors_BA.numel() * trainer.spec.block_size / dt,
+        "tflops": tflops,
+        "mfu": tflops / PEAK_TFLOPS,
+        "mfu_vs_measured_790": tflops / MEASURED_TFLOPS,
+        "flops_per_step": flops,
+        "loss_first": results[0].loss,
+        "loss_last": results[-1].loss,
+        "loss_finite": all(math.isfinite(r.loss) for r in results),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "params_trainable": sum(p.numel() for p in trainer.params),
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(args.profile_steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+        res["profile"] = (
+            profile_split(prof, args.profile_steps)
+            if cuda
+            else {
+                "cpu_top": [
+                    {"name": e.key, "ms": e.self_cpu_time_total / 1000 / args.profile_steps}
+                    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+                ]
+            }
+        )
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="flex,sdpa")
     ap.add_argument("--batch", type=int, default=2, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
-    ap.add_argument("--loss-chunk", type=int, default=8192, help="block tokens per LM-head/CE chunk")
+    ap.add_argument("--loss-chunk", type=int, default=8192, help="train.loss_chunk_tokens")
     ap.add_argument("--sdpa-chunk-blocks", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="profile and split the step's device time")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on CPU (smoke run)")
     ap.add_argument("--out", default=default_out("drafter_step"))
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    import torch
+
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --tiny for the CPU smoke run")
     if args.tiny:
-        args.batch, args.seq_len, args.anchors, args.steps, args.warmup, args.loss_chunk = 2, 96, 8, 2, 1, 24
+        args.batch, args.seq_len, args.anchors, args.loss_chunk = 2, 96, 8, 24
+        args.steps, args.warmup, args.profile_steps = min(args.steps, 2), 1, 1
     backends = [b for b in args.backends.split(",") if b]
-    if device == "cpu" and "flex" in backends:
+    if args.tiny and "flex" in backends:
         print("flex skipped: no flex backward on CPU")
         backends.remove("flex")
-    spec = make_spec(args.tiny)
-    torch.manual_seed(0)
-    B, S, A = args.batch, args.seq_len, args.anchors
-    wdtype = torch.bfloat16 if device == "cuda" else torch.float32
-    embed = torch.randn(spec.vocab_size, spec.hidden_size, device=device, dtype=wdtype) * 0.02
-    head = torch.randn(spec.vocab_size, spec.hidden_size, device=device, dtype=wdtype) * 0.02
-    input_ids = torch.randint(0, spec.vocab_size - 1, (B, S), device=device)
-    feats = torch.randn(
-        B, S, len(spec.target_layer_ids) * spec.target_hidden_size, device=device, dtype=wdtype
-    )
-    anchors = torch.stack([torch.sort(torch.randperm(S - spec.block_size)[:A]).values for _ in range(B)]).to(
-        device
-    )
-    seq_lens = torch.full((B,), S, device=device)
-    labels, valid = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), seq_lens, anchors, spec.block_size
-    )
-    flops = step_flops(spec, B, S, anchors, seq_lens)
     results = []
     for backend in backends:
-        model = DFlashDrafter(
-            spec, embed, head, backend=backend, sdpa_chunk_blocks=args.sdpa_chunk_blocks
-        ).to(device)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device == "cuda")
-        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-
-        def step(model=model, opt=opt, params=params, autocast=autocast) -> float:
-            opt.zero_grad(set_to_none=True)
-            with autocast:
-                hidden = model(input_ids, feats, anchors, seq_lens, noise_std=0.0)
-                out = dflash_loss(
-                    hidden, model.lm_head_weight_VH, labels, valid, gamma=7.0, chunk_tokens=args.loss_chunk
-                )
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            return float(out.loss.detach())
-
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        warm_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        losses = [step() for _ in range(args.steps)]
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / args.steps
-        tflops = flops["total"] / dt / 1e12
-        results.append(
-            {
-                "backend": backend,
-                "step_ms": dt * 1000,
-                "warmup_s": warm_s,
-                "seq_tokens_per_s": B * S / dt,
-                "block_tokens_per_s": anchors.numel() * spec.block_size / dt,
-                "tflops": tflops,
-                "mfu": tflops / PEAK_TFLOPS,
-                "mfu_vs_measured_790": tflops / MEASURED_TFLOPS,
-                "loss_first": losses[0],
-                "loss_last": losses[-1],
-                "loss_finite": all(math.isfinite(x) for x in losses),
-                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-                "params_trainable": sum(p.numel() for p in params),
-            }
-        )
-        del model, opt
-        if device == "cuda":
+        results.append(bench_backend(args, backend))
+        gc.collect()  # the trainer and its optimizer state go before the next backend's
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        r = results[-1]
+        print(
+            f"{backend}: {r['step_ms']:.1f} ms/step, {r['seq_tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}",
+            flush=True,
+        )
     report = {
         "bench": "drafter_step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if not args.tiny else "cpu",
         "config": vars(args),
-        "spec": spec.to_dict(),
-        "flops_per_step": flops,
         "flops_formula": "6*trainable_params*tokens (fc on context, q/o/MLP on block, k/v on context+block) "
         "+ 4*V*H*block_tokens (frozen LM head) + 3.5*4*D*heads*unmasked_pairs (attention)",
         "peak_tflops": PEAK_TFLOPS,
         "results": results,
     }
     write_report(args.out, report)
-    print(
-        f"FLOPs/step: {flops['total'] / 1e12:.2f} T (linears {flops['linears'] / 1e12:.2f}, "
-        f"lm_head {flops['lm_head'] / 1e12:.2f}, attention {flops['attention'] / 1e12:.2f})"
-    )
+    f = results[0]["flops_per_step"] if results else None
+    if f:
+        print(
+            f"FLOPs/step: {f['total'] / 1e12:.2f} T (linears {f['linears'] / 1e12:.2f}, "
+            f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})"
+        )
     print(
         f"{'backend':>8} {'step ms':>9} {'seq tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'MFU/790':>8} {'loss':>8}"
     )
@@ -240,6 +352,11 @@ def main() -> None:
             f"{r['backend']:>8} {r['step_ms']:9.1f} {r['seq_tokens_per_s']:10.0f} {r['tflops']:8.1f} "
             f"{r['mfu']:6.1%} {r['mfu_vs_measured_790']:8.1%} {r['loss_last']:8.4f}"
         )
+        split = (r.get("profile") or {}).get("per_step_ms")
+        if split:
+            print("   profile ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+            for k in r["profile"]["top_kernels"][:10]:
+                print(f"     {k['ms']:8.2f} ms  {k['category']:9} x{k['calls']:.0f}  {k['name'][:90]}")
     print(f"wrote {args.out}")
 
 

@@ -333,7 +333,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if str(self.fused_loss).lower() not in ("true", "false", "auto"):
-            raise ConfigError("train.fused_loss", f"must be true, false or auto, got {_show(self.fused_loss)}")
+            raise ConfigError(
+                "train.fused_loss", f"must be true, false or auto, got {_show(self.fused_loss)}"
+            )
         if len(self.betas) != 2:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 

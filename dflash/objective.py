@@ -127,7 +127,12 @@ of it, so no chunk has 0 or 1 rows: dynamo specialises those sizes, a graph each
 
 
 def _chunk_loss(
-    logits_CV: torch.Tensor, y_C: torch.Tensor, w_C: torch.Tensor, ce_dtype: torch.dtype, want_grad: bool, fused: bool
+    logits_CV: torch.Tensor,
+    y_C: torch.Tensor,
+    w_C: torch.Tensor,
+    ce_dtype: torch.dtype,
+    want_grad: bool,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if not fused:
         return chunk_cross_entropy(logits_CV, y_C, w_C, ce_dtype, want_grad)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from dflash.config import JobConfig
 from dflash.errors import DFlashError
@@ -180,25 +181,30 @@ class DrafterTrainer:
         )
         noise = noise_std(self.step, self.cfg)
         self.module.train()
+        # Named ranges for torch.profiler (bench/drafter_step.py --profile splits the step by them).
         with self.autocast():
-            hidden_BAKH = self.module(
-                input_ids_BL, target_hidden_BLF, anchors_BA, seq_lens_B, noise_std=noise
-            )
-            out = dflash_loss(
-                hidden_BAKH,
-                self.model.lm_head_weight_VH,
-                labels_BAK,
-                valid_BAK,
-                self.cfg.train.gamma,
-                self.cfg.train.loss_chunk_tokens,
-                fused=self.fused_loss,
-            )
+            with record_function("dflash.forward"):
+                hidden_BAKH = self.module(
+                    input_ids_BL, target_hidden_BLF, anchors_BA, seq_lens_B, noise_std=noise
+                )
+            with record_function("dflash.loss"):
+                out = dflash_loss(
+                    hidden_BAKH,
+                    self.model.lm_head_weight_VH,
+                    labels_BAK,
+                    valid_BAK,
+                    self.cfg.train.gamma,
+                    self.cfg.train.loss_chunk_tokens,
+                    fused=self.fused_loss,
+                )
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        with record_function("dflash.backward"):
+            out.loss.backward()
+        with record_function("dflash.optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
         loss = float(out.loss.detach())
         return StepResult(
