@@ -314,18 +314,8 @@ def main() -> None:
     if args.tiny and "flex" in backends:
         print("flex skipped: no flex backward on CPU")
         backends.remove("flex")
-    results = []
-    for backend in backends:
-        results.append(bench_backend(args, backend))
-        gc.collect()  # the trainer and its optimizer state go before the next backend's
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        r = results[-1]
-        print(
-            f"{backend}: {r['step_ms']:.1f} ms/step, {r['seq_tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}",
-            flush=True,
-        )
-    report = {
+    results: list[dict[str, Any]] = []
+    report: dict[str, Any] = {
         "bench": "drafter_step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -337,7 +327,17 @@ def main() -> None:
         "peak_tflops": PEAK_TFLOPS,
         "results": results,
     }
-    write_report(args.out, report)
+    for backend in backends:
+        results.append(bench_backend(args, backend))
+        write_report(args.out, report)  # after each backend: a step cut by a time limit keeps the first
+        gc.collect()  # the trainer and its optimizer state go before the next backend's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        r = results[-1]
+        print(
+            f"{backend}: {r['step_ms']:.1f} ms/step, {r['seq_tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}",
+            flush=True,
+        )
     f = results[0]["flops_per_step"] if results else None
     if f:
         print(

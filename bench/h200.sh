@@ -73,8 +73,22 @@ step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 20 + 85)))" "$OUT/pytest.
 # (b), (c) kernel and drafter-step benchmarks
 step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 20 + 85)))" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
-step drafter_step "$(budget 70 $((PIPELINE_MIN_S + 20 + 85)))" "$OUT/benches.log" \
-  "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --out "$OUT/drafter_step.json"
+# Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind flex.TUNED_KERNEL_OPTIONS.
+if [[ " ${H200_ONLY:-} " == *" flex_tune "* ]]; then
+  step flex_tune "$(budget 220)" "$OUT/tune.log" \
+    "$PY" bench/flex_tune.py "${TINY[@]}" --work "$WORK/flex-tune" --out "$OUT/flex_tune.json"
+fi
+# The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
+export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"
+step drafter_step "$(budget 150 $((PIPELINE_MIN_S + 20 + 85)))" "$OUT/benches.log" \
+  "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json"
+# Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
+if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
+  step drafter_step_before "$(budget 90)" "$OUT/benches.log" \
+    "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
+    --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
+fi
+unset TORCHINDUCTOR_CACHE_DIR
 HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
 step head_loss "$(budget 20 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
   "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json"
@@ -172,7 +186,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention drafter_step head_loss compile_cache compile_cache_8b pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before head_loss compile_cache compile_cache_8b pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -190,9 +204,15 @@ if p:
         print(f"  {k:24} {fmt(s[k]):>10}")
     print(f"  capture speedup          {fmt(s['capture_speedup_vs_baseline'], '{:.2f}x'):>10}  (goal >= 1.25x)")
     print(f"  pipeline efficiency      {fmt(s['pipeline_efficiency'], '{:.1%}'):>10}  (goal >= 95%)")
-d = load("drafter_step.json")
-for r in (d or {}).get("results", []):
-    print(f"  drafter_step {r['backend']:5} {r['step_ms']:8.1f} ms  {r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%}")
+for name in ("drafter_step_before.json", "drafter_step.json"):
+    for r in (load(name) or {}).get("results", []):
+        split = (r.get("profile") or {}).get("per_step_ms") or {}
+        print(f"  {name[:-5]:20} {r['backend']:5} fused_loss={r['fused_loss']!s:5} {r['step_ms']:8.1f} ms "
+              f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%}  " + " ".join(f"{k}={v:.1f}" for k, v in split.items()))
+t = load("flex_tune.json")
+for kind, b in ((t or {}).get("best") or {}).items():
+    print(f"  flex_tune {kind}: {b.get('combined_fwd_bwd_tflops', 0):.0f} TFLOP/s fwd+bwd tuned "
+          f"(defaults {b.get('default_fwd_bwd_tflops', 0):.0f}): {b['options']}")
 h = load("head_loss.json")
 for r in (h or {}).get("results", []):
     print(f"  head_loss {r['variant']:28} {r['ms']:8.2f} ms  {r['tflops']:6.1f} TFLOP/s")

@@ -1,16 +1,21 @@
-"""The LM-head cross-entropy of the DFlash objective: the job's chunked loss with the gradient taken
-in the forward pass, against the same chunks under activation checkpointing (each chunk's logits
-recomputed in backward) and against plain autograd through the full [N, V] logits.
+"""The LM-head cross-entropy of the DFlash objective, side by side: the job's loss (chunked, the
+gradient taken in the forward pass) with each chunk's elementwise work compiled into one function
+(train.fused_loss = true) and run eagerly (false); the same chunks under activation checkpointing
+(each chunk's logits recomputed in backward); plain autograd through the full [N, V] logits; and,
+where installed, the kernel libraries that fuse the head and the loss: liger-kernel's fused linear
+cross-entropy and cut-cross-entropy, both with reduction="none" times the per-position weights (the
+DFlash loss weights every token, which neither supports otherwise; both then recompute the logits in
+backward).
 
 H200 (the 8B drafter's head: 16384 block tokens x hidden 4096 x vocab 151936, bf16 autocast):
-    .venv/bin/python bench/head_loss.py --out $OUT/head_loss.json
+    python bench/head_loss.py --out $OUT/head_loss.json
 CPU (a smaller head; fp32):
-    .venv/bin/python bench/head_loss.py --tokens 4096 --hidden 512 --vocab 32768 --chunk 1024 \
-        --reps 3 --out /tmp/head_loss.json
+    python bench/head_loss.py --tokens 4096 --hidden 512 --vocab 32768 --chunk 1024 --reps 3 --out /tmp/head_loss.json
 
-Times forward + backward into the hidden states (the head is frozen, as in training), and on CUDA
-the peak memory above the inputs. FLOPs counted: 4 x N x V x H (logits + input gradient); the
-checkpointed variant does 6 x N x V x H of work for the same result.
+Times forward + backward into the hidden states (the head is frozen, as in training), on CUDA the
+peak memory above the inputs, and each variant's relative error in loss and input gradient against
+the job's eager path. FLOPs counted: 4 x N x V x H (logits + input gradient) for every variant,
+whatever it really does (checkpointing and the libraries do 6 x N x V x H).
 """
 
 from __future__ import annotations
@@ -54,6 +59,36 @@ def unchunked(
     return _chunk_ce(head_VH, hidden_NH, y_N, w_N) / w_N.sum()
 
 
+def library_losses() -> dict[str, Callable[..., torch.Tensor]]:
+    """The fused linear cross-entropy of each installed kernel library, as a per-token weighted loss."""
+    out: dict[str, Callable[..., torch.Tensor]] = {}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(
+            h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, w: torch.Tensor, _c: int
+        ) -> torch.Tensor:
+            loss = liger_fused_linear_cross_entropy(h.to(head.dtype), head, y, reduction="none")
+            return (loss.float() * w).sum() / w.sum()
+
+        out["liger-kernel FLCE (none x w)"] = liger
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce(
+            h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, w: torch.Tensor, _c: int
+        ) -> torch.Tensor:
+            loss = linear_cross_entropy(h.to(head.dtype), head, y, reduction="none")
+            return (loss.float() * w).sum() / w.sum()
+
+        out["cut-cross-entropy (none x w)"] = cce
+    except ImportError:
+        pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384, help="trained block tokens N")
@@ -84,37 +119,63 @@ def main() -> None:
     w_N = position_weights(K, 7.0, torch.device(device)).expand(1, blocks, K)[valid_BAK]
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
-    def job() -> None:
-        hidden_BAKH.grad = None
-        with autocast:
-            out = dflash_loss(hidden_BAKH, head_VH, labels_BAK, valid_BAK, 7.0, args.chunk)
-        out.loss.backward()
+    def job(fused: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            hidden_BAKH.grad = None
+            with autocast:
+                out = dflash_loss(hidden_BAKH, head_VH, labels_BAK, valid_BAK, 7.0, args.chunk, fused=fused)
+            out.loss.backward()
+            return out.loss
 
-    def baseline(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
-        def run() -> None:
+        return run
+
+    def baseline(fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
             hidden_NH.grad = None
             with autocast:
                 loss = fn(hidden_NH, head_VH, y_N, w_N, args.chunk)
             loss.backward()
+            return loss
 
         return run
 
-    variants = {"job (gradient in forward)": job, "checkpointed chunks": baseline(checkpointed)}
+    variants: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = {
+        "job, fused (compiled chunk)": (job(True), lambda: hidden_BAKH.grad[valid_BAK]),
+        "job, eager chunk": (job(False), lambda: hidden_BAKH.grad[valid_BAK]),
+        "checkpointed chunks": (baseline(checkpointed), lambda: hidden_NH.grad),
+    }
     if not args.skip_unchunked:
-        variants["unchunked autograd"] = baseline(unchunked)
+        variants["unchunked autograd"] = (baseline(unchunked), lambda: hidden_NH.grad)
+    for name, fn in library_losses().items():
+        variants[name] = (baseline(fn), lambda: hidden_NH.grad)
     flops = 4 * n * args.vocab * args.hidden
     results = []
-    for name, fn in variants.items():
+    outputs: dict[str, tuple[float, torch.Tensor]] = {}
+    for name, (fn, grad_of) in variants.items():
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = bench_ms(fn, device, args.reps)
+        try:
+            loss = float(fn())
+            outputs[name] = (loss, grad_of().float().clone())
+            ms = bench_ms(fn, device, args.reps)
+        except Exception as e:  # a library that does not run here is reported, not fatal
+            results.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"{name:28s} failed: {results[-1]['error']}", flush=True)
+            continue
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
         results.append({"variant": name, "ms": ms, "tflops": flops / ms / 1e9, "peak_extra_gb": peak})
         print(
             f"{name:28s} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  peak +{peak or 0:.2f} GiB", flush=True
         )
+    ref = outputs.get("job, eager chunk")
+    for r in results:
+        if ref is None or r["variant"] not in outputs:
+            continue
+        loss, grad = outputs[r["variant"]]
+        r["loss_rel_err_vs_eager"] = abs(loss - ref[0]) / max(abs(ref[0]), 1e-30)
+        r["grad_rel_err_vs_eager"] = ((grad - ref[1]).norm() / ref[1].norm().clamp(min=1e-30)).item()
     report = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -250,6 +250,10 @@ class AttentionConfig:
     """true | false | auto (true on GPU): stop the worker on a degraded kernel."""
     sdpa_chunk_blocks: Annotated[int, AtLeast1] = 64
     """SDPA backend: blocks per chunk for the full-attention layer."""
+    tuned_kernels: bool = True
+    """flex: compile with the kernel options (tiles, stages, warps) measured best for the DFlash mask
+    on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
+    defaults. GPUs without a measured entry always get the defaults."""
 
     def __post_init__(self) -> None:
         check_fields(self)

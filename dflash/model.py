@@ -308,6 +308,7 @@ class DFlashDrafter(nn.Module):
         backend: str,
         sdpa_chunk_blocks: int = 64,
         compile: bool = True,
+        tuned_kernels: bool = True,
     ) -> None:
         super().__init__()
         for name, w in (("embedding", embed_weight_VH), ("lm_head", lm_head_weight_VH)):
@@ -317,7 +318,9 @@ class DFlashDrafter(nn.Module):
                     f"shape {tuple(w.shape)} != (vocab {spec.vocab_size}, hidden {spec.hidden_size})",
                 )
         self.spec = spec
-        self.backend = make_backend(backend, sdpa_chunk_blocks=sdpa_chunk_blocks, compile=compile)
+        self.backend = make_backend(
+            backend, sdpa_chunk_blocks=sdpa_chunk_blocks, compile=compile, tuned_kernels=tuned_kernels
+        )
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.
         self.register_buffer("embed_weight_VH", embed_weight_VH.detach(), persistent=False)

@@ -136,6 +136,7 @@ class DrafterTrainer:
             backend=self.backend,
             sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
             compile=cfg.attention.compile,
+            tuned_kernels=cfg.attention.tuned_kernels,
         ).to(device)
         # Every compiled part of this process (the drafter's layers; the target's too in the
         # single-process job and in warm): the plan's graphs, nothing else (dflash.shapes).

@@ -34,12 +34,15 @@ class AttentionBackend(Protocol):
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: Any) -> Tensor: ...
 
 
-def make_backend(name: str, *, sdpa_chunk_blocks: int = 64, compile: bool = True) -> AttentionBackend:
-    """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip."""
+def make_backend(
+    name: str, *, sdpa_chunk_blocks: int = 64, compile: bool = True, tuned_kernels: bool = True
+) -> AttentionBackend:
+    """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip.
+    tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS)."""
     if name == "flex":
         from dflash.attention.flex import FlexBackend
 
-        return FlexBackend(compile=compile)
+        return FlexBackend(compile=compile, tuned=tuned_kernels)
     if name == "sdpa":
         from dflash.attention.sdpa import SdpaBackend
 
