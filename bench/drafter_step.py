@@ -330,7 +330,10 @@ def main() -> None:
     for backend in backends:
         results.append(bench_backend(args, backend))
         write_report(args.out, report)  # after each backend: a step cut by a time limit keeps the first
-        gc.collect()  # the trainer and its optimizer state go before the next backend's
+        # A job process runs one backend: forget the compiled layers (their graphs and recompile
+        # counts) and free the trainer and its optimizer state before the next backend's.
+        torch._dynamo.reset()
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         r = results[-1]

@@ -77,9 +77,66 @@ def bwd_options(c: tuple) -> dict[str, Any]:
     }
 
 
+SECOND_ROUND = [  # around the first round's winners on the H200 (2026-12-01): fwd 64x64, bwd 64x128/128x64
+    ((64, 64, 2, 4, False), (64, 128, 128, 64, 1, 8, False), {}),
+    ((64, 64, 4, 4, False), (32, 64, 64, 32, 2, 4, False), {}),
+    ((64, 64, 3, 8, False), (32, 64, 64, 32, 4, 4, False), {}),
+    ((64, 128, 2, 4, False), (32, 128, 128, 32, 2, 8, False), {}),
+    ((64, 64, 3, 4, True), (64, 128, 128, 64, 2, 8, True), {}),
+    ((64, 32, 3, 4, False), (64, 128, 128, 64, 2, 4, False), {}),
+    # every row of the DFlash mask sees at least its own block, so no row is fully masked
+    ((64, 64, 3, 4, False), (64, 128, 128, 64, 2, 8, False), {"ROWS_GUARANTEED_SAFE": True}),
+]
+
+
 def candidates() -> list[dict[str, Any] | None]:
-    """None = inductor's defaults (no options); then FWD[i] paired with BWD[i]."""
-    return [None] + [{**fwd_options(f), **bwd_options(b)} for f, b in zip(FWD, BWD, strict=True)]
+    """None = inductor's defaults (no options); then FWD[i] paired with BWD[i]; then SECOND_ROUND."""
+    pairs = [{**fwd_options(f), **bwd_options(b)} for f, b in zip(FWD, BWD, strict=True)]
+    return [None, *pairs, *({**fwd_options(f), **bwd_options(b), **x} for f, b, x in SECOND_ROUND)]
+
+
+def write_table(path: Path, best: dict[str, Any], args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The winners as dflash.attention.flex's table (entries of other GPUs and head dims kept)."""
+    from dflash.attention.flex import layer_kind
+    from dflash.rundir import atomic_write_json
+
+    try:
+        table = json.loads(path.read_text())
+    except FileNotFoundError:
+        table = {"entries": []}
+    cap = report["capability"]
+    for w in windows(args):
+        entry = best.get(str("full" if w is None else w))
+        if not entry or "combined_fwd_bwd_tflops" not in entry:
+            continue
+        if entry.get("default_fwd_bwd_tflops", 0) >= entry["combined_fwd_bwd_tflops"]:
+            continue  # the defaults are as fast: no entry
+        kind = layer_kind(w)
+        table["entries"] = [
+            e
+            for e in table["entries"]
+            if (e["capability"], e["head_dim"], e["kind"]) != (cap, args.head_dim, kind)
+        ]
+        table["entries"].append(
+            {
+                "capability": cap,
+                "head_dim": args.head_dim,
+                "kind": kind,
+                "options": entry["options"],
+                "measured": {
+                    "device": report["device"],
+                    "torch": report["torch"],
+                    "date": report["date"],
+                    "command": report["command"],
+                    "fwd_bwd_tflops": round(entry["combined_fwd_bwd_tflops"], 1),
+                    "default_fwd_bwd_tflops": round(entry.get("default_fwd_bwd_tflops", 0), 1),
+                },
+            }
+        )
+    table["about"] = (
+        "flex kernel options for the DFlash mask, bf16; written by bench/flex_tune.py --write-table"
+    )
+    atomic_write_json(path, table)
 
 
 def make_inputs(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,6 +251,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=8, help="candidates compiled at once")
     ap.add_argument("--only", default="", help="comma list of candidate indices (0 = inductor's defaults)")
+    ap.add_argument(
+        "--write-table",
+        default="",
+        help="merge the winners into this table file (dflash/attention/flex_tuned.json is the job's)",
+    )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--compile-only", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -324,6 +386,9 @@ def main() -> None:
         "best": best,
     }
     write_report(args.out, report)
+    if args.write_table and report["capability"]:
+        write_table(Path(args.write_table), best, args, report)
+        print(f"table: {args.write_table}")
     print(json.dumps(best, indent=1))
     print(f"wrote {args.out}")
 

@@ -73,10 +73,14 @@ step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 20 + 85)))" "$OUT/pytest.
 # (b), (c) kernel and drafter-step benchmarks
 step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 20 + 85)))" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
-# Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind flex.TUNED_KERNEL_OPTIONS.
+# Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind dflash/attention/flex_tuned.json.
+# Its winners are written into that table here, so every later step of this call runs with them; the
+# table comes back as $OUT/flex_tuned.json (commit it). H200_TUNE_ARGS: e.g. "--only 0,4,6".
 if [[ " ${H200_ONLY:-} " == *" flex_tune "* ]]; then
   step flex_tune "$(budget 220)" "$OUT/tune.log" \
-    "$PY" bench/flex_tune.py "${TINY[@]}" --work "$WORK/flex-tune" --out "$OUT/flex_tune.json"
+    "$PY" bench/flex_tune.py "${TINY[@]}" --work "$WORK/flex-tune" --out "$OUT/flex_tune.json" \
+    --write-table dflash/attention/flex_tuned.json ${H200_TUNE_ARGS:-}
+  cp dflash/attention/flex_tuned.json "$OUT/flex_tuned.json"
 fi
 # The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"

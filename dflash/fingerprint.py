@@ -24,6 +24,8 @@ PACKAGE = Path(__file__).resolve().parent
 COMPILED_SOURCES = [
     "model.py",
     "attention/*.py",
+    "attention/*.json",
+    "objective.py",
     "kernels.py",
     "trainer.py",
     "compile_cache.py",

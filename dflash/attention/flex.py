@@ -9,24 +9,85 @@ threads); workers are processes.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.attention.mask import dflash_mask_mod, layer_masks
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
-# create_block_mask runs eagerly: at the production shape (8192 queries x 11264 keys) the compiled
-# version spent over 150 s in Triton compilation on an H200 (2026-11-29) without finishing, while
-# the eager build materialises one [Q, KV] bool grid (~92 MB), once per batch per layer type.
+
+SPARSE_BLOCK = 128
+"""flex's tile of the block mask (queries x keys): its default, the size its kernels are tuned for."""
+
+
+def dflash_block_mask(
+    anchors_BA: Tensor,
+    seq_lens_B: Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    window: int | None,
+    causal_block: bool,
+    mask_mod: Any,
+) -> BlockMask:
+    """The DFlash mask's BlockMask computed from the anchors, in closed form.
+
+    create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
+    grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
+    dozen launches per step, measured on the H200), compiled it took minutes to build at that shape.
+    Here each query row's allowed keys are two intervals (its context [lo, hi) and its own block),
+    so the allowed count per (row, key tile) is interval arithmetic on [B, Q, KV / 128] and a tile is
+    full when all its rows allow all its keys, partial when some do. The result equals
+    create_block_mask(mask_mod) exactly (tests/dflash/test_attention.py) and keeps the same mask_mod
+    for the partial tiles."""
+    B, A = anchors_BA.shape
+    S, K, T = context_len, block_size, SPARSE_BLOCK
+    q_len, kv_len = A * K, S + A * K
+    q_tiles, kv_tiles = -(-q_len // T), -(-kv_len // T)
+    dev = anchors_BA.device
+    q_R = torch.arange(q_tiles * T, device=dev)
+    block_R = torch.clamp(q_R // K, max=A - 1)
+    anchor_BR = anchors_BA[:, block_R]
+    row_ok_BR = (q_R < q_len)[None, :] & torch.ones_like(anchor_BR, dtype=torch.bool)
+    # Context: lo <= kv < hi (an invalid anchor, -1, has hi < 0: nothing).
+    hi_BR = torch.minimum(anchor_BR, seq_lens_B[:, None].clamp(max=S))
+    lo_BR = torch.zeros_like(hi_BR) if window is None else (anchor_BR - window).clamp(min=0)
+    # Own block: S + block*K <= kv < S + block*K + K (causal: up to and including the row's position).
+    own_lo_R = S + block_R * K
+    own_hi_R = own_lo_R + ((q_R % K) + 1 if causal_block else K)
+    t0_T = torch.arange(kv_tiles, device=dev) * T
+    t1_T = t0_T + T
+
+    def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # [..., R] intervals against [T] tiles -> [..., R, T]
+        return (torch.minimum(hi[..., None], t1_T) - torch.maximum(lo[..., None], t0_T)).clamp(min=0)
+
+    count_BRT = (overlap(lo_BR, hi_BR) + overlap(own_lo_R, own_hi_R)[None]) * row_ok_BR[..., None]
+    count_BQtT = count_BRT.view(B, q_tiles, T, kv_tiles)
+    full_BQT = (count_BQtT == T).all(dim=2)
+    partial_BQT = (count_BQtT > 0).any(dim=2) & ~full_BQT
+
+    def as_indices(sel_BQT: Tensor) -> tuple[Tensor, Tensor]:
+        # Selected tiles first, ascending (a stable sort on "not selected"), as create_block_mask lays them out.
+        num = sel_BQT.sum(dim=-1, dtype=torch.int32)[:, None]
+        idx = torch.argsort((~sel_BQT).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return num, idx
+
+    kv_num, kv_idx = as_indices(partial_BQT)
+    full_num, full_idx = as_indices(full_BQT)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
 
 
 BLOCK_MASK_SECONDS = [0.0]
-"""Wall seconds this process spent building block masks (eager create_block_mask): dflash.warm
+"""Wall seconds this process spent building block masks (dflash_block_mask): dflash.warm
 reports it in its per-shape compile-time breakdown."""
 
 
@@ -41,11 +102,28 @@ class FlexPlan(NamedTuple):
     """CUDA compute capability of the device, None off CUDA."""
 
 
-TUNED_KERNEL_OPTIONS: dict[tuple[tuple[int, int], int, str], dict[str, Any]] = {}
-"""flex kernel options (tile sizes, pipeline stages, warps; fwd_ for the forward kernel, bwd_ for the
-backward's) per (compute capability, head dim, layer kind), for bf16 on the DFlash mask. Chosen by
-bench/flex_tune.py from measurements on that GPU (docs/BENCHMARKS.md): where no entry matches,
-inductor's own defaults for the GPU apply."""
+TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
+"""Measured flex kernel options, written by `bench/flex_tune.py --write-table` (docs/BENCHMARKS.md)."""
+
+
+def load_tuned(path: Path = TUNED_TABLE) -> dict[tuple[tuple[int, int], int, str], dict[str, Any]]:
+    """{(compute capability, head dim, layer kind): kernel options} from a table file; {} when absent.
+    Options: tile sizes, pipeline stages, warps; fwd_* for the forward kernel, bwd_* for the backward's."""
+    try:
+        table = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for entry in table["entries"]:
+        cap = tuple(int(x) for x in entry["capability"])
+        out[(cap[0], cap[1]), int(entry["head_dim"]), str(entry["kind"])] = dict(entry["options"])
+    return out
+
+
+TUNED_KERNEL_OPTIONS = load_tuned()
+"""flex kernel options per (compute capability, head dim, layer kind) for bf16 on the DFlash mask,
+chosen by bench/flex_tune.py from measurements on that GPU. Where no entry matches, inductor's own
+defaults for the GPU apply."""
 
 
 def layer_kind(window: int | None) -> str:
@@ -66,7 +144,6 @@ class FlexBackend:
         # exercised and so a run can opt out knowingly; it is never chosen silently.
         self.compiled = compile
         self._flex = flex_attention_compiled if compile else flex_attention
-        self._block_mask = create_block_mask
         self.tuned = tuned
         """Use TUNED_KERNEL_OPTIONS (attention.tuned_kernels); False: inductor's defaults."""
         self.kernel_options_override = (
@@ -95,8 +172,6 @@ class FlexBackend:
         windows: Iterable[int | None],
         sliding_causal: bool = False,
     ) -> dict[int | None, FlexPlan]:
-        B, A = anchors_BA.shape
-        q_len, kv_len = A * block_size, context_len + A * block_size
         device = anchors_BA.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         plans = {}
@@ -110,7 +185,15 @@ class FlexBackend:
                 window=w,
                 causal_block=causal,
             )
-            block_mask = self._block_mask(mask_mod, B, None, q_len, kv_len, device=device)
+            block_mask = dflash_block_mask(
+                anchors_BA,
+                seq_lens_B,
+                context_len=context_len,
+                block_size=block_size,
+                window=w,
+                causal_block=causal,
+                mask_mod=mask_mod,
+            )
             plans[w] = FlexPlan(block_mask, layer_kind(w), capability)
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans

@@ -120,3 +120,101 @@ def test_flex_matches_sdpa_forward_and_backward_on_cuda(window):
     for name, ref, got in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, f"{name}: flex vs sdpa relative error {rel:.2e}"
+
+
+def _block_sets(num, idx):  # noqa: ANN001, ANN202
+    """{(b, q_tile): set of kv tiles} of a BlockMask's (num, indices) pair."""
+    out = {}
+    for b in range(num.shape[0]):
+        for q in range(num.shape[2]):
+            out[b, q] = set(idx[b, 0, q, : int(num[b, 0, q])].tolist())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_closed_form_block_mask_equals_create_block_mask(seed):
+    """dflash_block_mask computes the BlockMask from the anchors; create_block_mask evaluates the
+    mask_mod on every pair. Same partial and full tiles, both directions, for full and sliding layers,
+    causal blocks, padded (-1) anchors, short rows and shapes that are not tile multiples."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.attention.flex import dflash_block_mask
+    from dflash.attention.mask import dflash_mask_mod
+
+    g = torch.Generator().manual_seed(seed)
+    K = (16, 7, 16, 4)[seed]
+    S = (512, 300, 1024, 129)[seed]
+    A = (40, 30, 64, 50)[seed]
+    seq_lens = torch.tensor([S, S - 77, S // 3])
+    anchors = torch.stack(
+        [
+            torch.sort(torch.randperm(int(n) - 1, generator=g)[:A] + 1).values
+            for n in seq_lens.clamp(min=A + 2)
+        ]
+    )
+    anchors[1, -5:] = -1
+    anchors[2] = torch.where(anchors[2] < seq_lens[2], anchors[2], torch.full_like(anchors[2], -1))
+    for window in (None, 100, 1000):
+        for causal in (False, True):
+            mod = dflash_mask_mod(
+                anchors, seq_lens, context_len=S, block_size=K, window=window, causal_block=causal
+            )
+            ref = create_block_mask(mod, 3, None, A * K, S + A * K, device="cpu")
+            got = dflash_block_mask(
+                anchors,
+                seq_lens,
+                context_len=S,
+                block_size=K,
+                window=window,
+                causal_block=causal,
+                mask_mod=mod,
+            )
+            where = f"K={K} S={S} window={window} causal={causal}"
+            assert got.shape == ref.shape, where
+            for attr in ("kv", "full_kv", "q", "full_q"):
+                num, idx = getattr(got, f"{attr}_num_blocks"), getattr(got, f"{attr}_indices")
+                rnum, ridx = getattr(ref, f"{attr}_num_blocks"), getattr(ref, f"{attr}_indices")
+                assert torch.equal(num, rnum), f"{attr}_num_blocks differ, {where}"
+                assert _block_sets(num, idx) == _block_sets(rnum, ridx), f"{attr}_indices differ, {where}"
+
+
+def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path):
+    """The shipped table parses, holds only flex option names, and is used only where it matches:
+    a CUDA plan of that capability and head dim in bf16, with attention.tuned_kernels on."""
+    import json
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, load_tuned
+
+    shipped = load_tuned(TUNED_TABLE)
+    assert shipped, "dflash/attention/flex_tuned.json is missing or empty"
+    for opts in shipped.values():
+        assert all(k.startswith(("fwd_", "bwd_")) or k.isupper() for k in opts), opts
+    table = tmp_path / "t.json"
+    opts = {"fwd_BLOCK_M": 64, "bwd_num_warps": 8}
+    table.write_text(
+        json.dumps({"entries": [{"capability": [9, 0], "head_dim": 128, "kind": "sliding", "options": opts}]})
+    )
+    tuned = load_tuned(table)
+    assert tuned == {((9, 0), 128, "sliding"): opts}
+    assert load_tuned(tmp_path / "absent.json") == {}
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, None, 128, 128, device="cpu")
+    import dflash.attention.flex as flex
+
+    saved = flex.TUNED_KERNEL_OPTIONS
+    flex.TUNED_KERNEL_OPTIONS = tuned
+    try:
+        on, off = FlexBackend(), FlexBackend(tuned=False)
+        sliding = FlexPlan(bm, "sliding", (9, 0))
+        assert on.kernel_options(sliding, 128, torch.bfloat16) == opts
+        assert off.kernel_options(sliding, 128, torch.bfloat16) is None
+        assert on.kernel_options(FlexPlan(bm, "full", (9, 0)), 128, torch.bfloat16) is None
+        assert on.kernel_options(FlexPlan(bm, "sliding", (8, 0)), 128, torch.bfloat16) is None
+        assert on.kernel_options(sliding, 256, torch.bfloat16) is None
+        assert on.kernel_options(sliding, 128, torch.float32) is None
+        assert on.kernel_options(FlexPlan(bm, "sliding", None), 128, torch.bfloat16) is None
+        forced = FlexBackend(kernel_options={"full": {"fwd_BLOCK_M": 32}})
+        assert forced.kernel_options(FlexPlan(bm, "full", None), 16, torch.float32) == {"fwd_BLOCK_M": 32}
+    finally:
+        flex.TUNED_KERNEL_OPTIONS = saved
