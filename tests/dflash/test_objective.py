@@ -77,7 +77,12 @@ def _reference_loss(hidden, head, labels, valid, gamma):  # noqa: ANN001, ANN202
     V = head.shape[0]
     logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
-    w = position_weights(hidden.shape[2], gamma).to(logits.dtype).expand(valid.shape).reshape(-1)
+    w = (
+        position_weights(hidden.shape[2], gamma, hidden.device)
+        .to(logits.dtype)
+        .expand(valid.shape)
+        .reshape(-1)
+    )
     w = w * valid.reshape(-1)
     return (ce * w).sum() / w.sum()
 
