@@ -8,7 +8,10 @@
 #   0. pip install zstandard from .carry/wheels (if present)            ~5 s
 #   a. pytest -m gpu -q tests/          -> $OUT/pytest.log             <= 75 s
 #   b. bench/attention.py               -> $OUT/attention.json         <= 40 s   (log: benches.log)
-#   c. bench/drafter_step.py            -> $OUT/drafter_step.json      <= 70 s   (log: benches.log)
+#  b2. only with H200_ONLY=... flex_tune: bench/flex_tune.py, winners written into
+#      dflash/attention/flex_tuned.json for the later steps -> $OUT/flex_tune.json, flex_tuned.json  ~150 s
+#   c. bench/drafter_step.py --profile   -> $OUT/drafter_step.json      <= 150 s  (log: benches.log)
+#  c2. only when asked: drafter_step_before (loss unfused, untuned flex) -> drafter_step_before.json
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
@@ -18,7 +21,7 @@
 #      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
 #      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
 # A step that overruns its cap is cut by `timeout`; the caps of later steps are always kept for them.
-# Nine files come back at most: the five JSONs and four logs above. The summary table goes to stdout.
+# Eight files come back from a device call at most: choose steps with H200_ONLY. The summary goes to stdout.
 set -u
 OUT=${OUT:?set OUT to the results directory}
 PY=${PYTHON:-python}
