@@ -3,6 +3,7 @@ debootstrap + docker import (nothing can be pulled here) and reused by tag."""
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import tempfile
@@ -15,7 +16,17 @@ BASE_TAG = "dflash-test-base:bookworm-gxx"
 
 @pytest.fixture(scope="session")
 def base_image() -> str:
-    """A minimal Debian with python3, made once per Docker engine and reused by tag."""
+    """A minimal Debian with python3, made once per Docker engine and reused by tag (one maker at a
+    time: pytest-xdist workers each ask for it)."""
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_base_image()
+
+
+LOCK = Path(tempfile.gettempdir()) / "dflash-test-base-image.lock"
+
+
+def _make_base_image() -> str:
     if subprocess.run(["docker", "image", "inspect", BASE_TAG], capture_output=True).returncode == 0:
         return BASE_TAG
     if not shutil.which("debootstrap"):
