@@ -147,14 +147,12 @@ def profile_split(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
         for k in ev.kernels:
             add(k.name, kernel_category(k.name, ranges), k.duration, 1)
             attributed[k.name] = attributed.get(k.name, 0.0) + k.duration
-    on_device: dict[str, list[float]] = {}
+    on_device: dict[str, float] = {}
     for ev in events:
         if ev.device_type == DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
-            row = on_device.setdefault(ev.name, [0.0, 0])
-            row[0] += ev.time_range.end - ev.time_range.start
-            row[1] += 1
+            on_device[ev.name] = on_device.get(ev.name, 0.0) + ev.time_range.end - ev.time_range.start
     unlinked = 0.0
-    for name, (us, _calls) in on_device.items():
+    for name, us in on_device.items():
         rest = us - attributed.get(name, 0.0)
         if rest > 1.0:  # microseconds the CPU-op links did not cover
             unlinked += rest / 1000.0 / steps

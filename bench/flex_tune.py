@@ -274,7 +274,8 @@ def main() -> None:
         return
     if args.tiny:  # CPU: the options are GPU tile sizes; run the defaults and one candidate for the mechanics
         args.only = args.only or "0,1"
-    picked = [int(i) for i in args.only.split(",")] if args.only else list(range(len(candidates())))
+    cands = candidates()
+    picked = [int(i) for i in args.only.split(",")] if args.only else list(range(len(cands)))
 
     t0 = time.perf_counter()
     status: dict[int, dict[str, str]] = {}
@@ -312,7 +313,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     reference: dict[int | None, tuple] = {}
     for i in picked:
-        opts = candidates()[i]
+        opts = cands[i]
         for w in windows(args):
             row: dict[str, Any] = {"candidate": i, "window": "full" if w is None else w, "options": opts}
             if status.get(i, {}).get(str(w), "ok") != "ok" or "all" in status.get(i, {}):

@@ -59,31 +59,28 @@ def unchunked(
     return _chunk_ce(head_VH, hidden_NH, y_N, w_N) / w_N.sum()
 
 
+def _weighted(per_token: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A library's reduction="none" fused linear cross-entropy as the DFlash per-token weighted loss."""
+
+    def loss(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, w: torch.Tensor, _c: int) -> torch.Tensor:
+        return (per_token(h.to(head.dtype), head, y, reduction="none").float() * w).sum() / w.sum()
+
+    return loss
+
+
 def library_losses() -> dict[str, Callable[..., torch.Tensor]]:
     """The fused linear cross-entropy of each installed kernel library, as a per-token weighted loss."""
     out: dict[str, Callable[..., torch.Tensor]] = {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        def liger(
-            h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, w: torch.Tensor, _c: int
-        ) -> torch.Tensor:
-            loss = liger_fused_linear_cross_entropy(h.to(head.dtype), head, y, reduction="none")
-            return (loss.float() * w).sum() / w.sum()
-
-        out["liger-kernel FLCE (none x w)"] = liger
+        out["liger-kernel FLCE (none x w)"] = _weighted(liger_fused_linear_cross_entropy)
     except ImportError:
         pass
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        def cce(
-            h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, w: torch.Tensor, _c: int
-        ) -> torch.Tensor:
-            loss = linear_cross_entropy(h.to(head.dtype), head, y, reduction="none")
-            return (loss.float() * w).sum() / w.sum()
-
-        out["cut-cross-entropy (none x w)"] = cce
+        out["cut-cross-entropy (none x w)"] = _weighted(linear_cross_entropy)
     except ImportError:
         pass
     return out

@@ -35,7 +35,6 @@ def dflash_block_mask(
     block_size: int,
     window: int | None,
     causal_block: bool,
-    mask_mod: Any,
 ) -> BlockMask:
     """The DFlash mask's BlockMask computed from the anchors, in closed form.
 
@@ -45,8 +44,16 @@ def dflash_block_mask(
     Here each query row's allowed keys are two intervals (its context [lo, hi) and its own block),
     so the allowed count per (row, key tile) is interval arithmetic on [B, Q, KV / 128] and a tile is
     full when all its rows allow all its keys, partial when some do. The result equals
-    create_block_mask(mask_mod) exactly (tests/dflash/test_attention.py) and keeps the same mask_mod
-    for the partial tiles."""
+    create_block_mask(dflash_mask_mod(...)) exactly (tests/dflash/test_attention.py) and carries that
+    mask_mod for the partial tiles."""
+    mask_mod = dflash_mask_mod(
+        anchors_BA,
+        seq_lens_B,
+        context_len=context_len,
+        block_size=block_size,
+        window=window,
+        causal_block=causal_block,
+    )
     B, A = anchors_BA.shape
     S, K, T = context_len, block_size, SPARSE_BLOCK
     q_len, kv_len = A * K, S + A * K
@@ -177,14 +184,6 @@ class FlexBackend:
         plans = {}
         t0 = time.perf_counter()
         for w, causal in layer_masks(windows, sliding_causal).items():
-            mask_mod = dflash_mask_mod(
-                anchors_BA,
-                seq_lens_B,
-                context_len=context_len,
-                block_size=block_size,
-                window=w,
-                causal_block=causal,
-            )
             block_mask = dflash_block_mask(
                 anchors_BA,
                 seq_lens_B,
@@ -192,7 +191,6 @@ class FlexBackend:
                 block_size=block_size,
                 window=w,
                 causal_block=causal,
-                mask_mod=mask_mod,
             )
             plans[w] = FlexPlan(block_mask, layer_kind(w), capability)
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0

@@ -167,7 +167,6 @@ def test_closed_form_block_mask_equals_create_block_mask(seed):
                 block_size=K,
                 window=window,
                 causal_block=causal,
-                mask_mod=mod,
             )
             where = f"K={K} S={S} window={window} causal={causal}"
             assert got.shape == ref.shape, where
