@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,17 @@ def profile_split(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
     }
 
 
+def trace_report(prof: Any, steps: int) -> dict[str, Any]:
+    """bench/trace_gaps.py over the profiler's Chrome trace: idle gaps with the host op behind each,
+    and compiled against eager device time per phase of the step."""
+    from trace_gaps import analyse
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return analyse(json.loads(path.read_text()), steps)
+
+
 def build_trainer(args: argparse.Namespace, backend: str) -> tuple[Any, Any, dict[str, Any]]:
     import torch
     from transformers import Qwen3Config
@@ -273,7 +286,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             if cuda:
                 torch.cuda.synchronize()
         res["profile"] = (
-            profile_split(prof, args.profile_steps)
+            profile_split(prof, args.profile_steps, top=40)
+            | {"trace": trace_report(prof, args.profile_steps)}
             if cuda
             else {
                 "cpu_top": [
@@ -358,6 +372,14 @@ def main() -> None:
             print("   profile ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
             for k in r["profile"]["top_kernels"][:10]:
                 print(f"     {k['ms']:8.2f} ms  {k['category']:9} x{k['calls']:.0f}  {k['name'][:90]}")
+            tr = r["profile"].get("trace") or {}
+            if tr:
+                print(f"   gaps {tr['gaps_ms_per_step']:.1f} ms/step by phase {tr['gap_ms_by_phase']}")
+                print(f"   device ms/step by phase: {tr['phases']}")
+                for g in tr["top_gaps"][:5]:
+                    print(
+                        f"     gap {g['ms']:.2f} ms ({g['phase']}) before {g['launched_by']}: {g['host_during']}"
+                    )
     print(f"wrote {args.out}")
 
 

@@ -17,6 +17,8 @@
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
 #  d2. only with H200_ONLY=compile_cache_8b (a call of its own, up to 540 s): the same round trip for
 #      configs/qwen3-8b.toml on the random 8B-size target -> $OUT/compile_cache_8b.json
+#  d3. only with H200_ONLY=cache_probe: qwen3-8b on two buckets, restored twice (compile workers on,
+#      off), new cache files per restored run -> $OUT/cache_probe.json                    ~200 s
 #   e. bench/pipeline.py                -> $OUT/pipeline.json          the rest, >= 280 s (log: pipeline.log)
 #      (first time: build + save the 16 GB target ~60 s, baseline + target-only ~40 s, drafter-only with a
 #      cold compile ~80 s, end-to-end job whatever is left, up to 150 s; it reuses the drafter's compile cache)
@@ -186,6 +188,67 @@ if [[ " ${H200_ONLY:-} " == *" compile_cache_8b "* ]]; then
     bash -c "$(declare -f cache_roundtrip cache_8b); cache_8b"
 fi
 
+# (d3) only when asked (H200_ONLY=cache_probe): where a restored warm's kernel waits go. The qwen3-8b
+# drafter on two buckets (512, 1024) warmed cold, restored, then compiled again in new processes twice:
+# with inductor's compile workers as the job runs (default) and in-process (TORCHINDUCTOR_COMPILE_THREADS=1).
+# Each restored run reports its breakdown and how many files it added to the restored cache (a kernel
+# Triton or inductor compiled again instead of loading it) -> $OUT/cache_probe.json
+cache_probe() {
+  local target scratch pyabs
+  target=$("$PY" bench/pipeline.py --work "$WORK" --make-target-only $([ "$GPU" = 1 ] || echo --tiny)) \
+    || { echo "building the target failed"; return 1; }
+  scratch=$(mktemp -d "$WORK/probe-XXXXXX"); pyabs=$(command -v "$PY")
+  export XDG_CACHE_HOME="$scratch/xdg-cache" XDG_CONFIG_HOME="$scratch/xdg-config"
+  local sets=(--set "target.path=$target" --set "run.runs_root=$scratch/runs" --set data.max_seq_len=1024
+              --set data.bucket_multiple=512 ${H200_PROBE_SETS:-})
+  if [ "$GPU" = 0 ]; then
+    sets+=(--set run.device=cpu --set target.dtype=float32 --set attention.backend=sdpa
+           --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64
+           --set train.token_budget=256 --set train.max_batch_size=4 --set train.num_anchors=8
+           --set drafter.mask_token_id=511)
+  fi
+  "$PY" -m runner.cli warm-cache configs/qwen3-8b.toml --python "$pyabs" "${sets[@]}" \
+    --store "$scratch/store" --json > "$scratch/warm.json" || { echo "warm-cache failed"; return 1; }
+  local key; key=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["key"])' "$scratch/warm.json")
+  local variant threads
+  for variant in default threads1; do
+    rm -rf "$scratch/restored"
+    "$PY" -m runner.cli cache restore "$key" --store "$scratch/store" --dest "$scratch/restored/cache" \
+      --python "$pyabs" --config configs/qwen3-8b.toml "${sets[@]}" > /dev/null || { echo "restore failed"; return 1; }
+    find "$scratch/restored/cache" -type f | sort > "$scratch/files-before"
+    threads=${TORCHINDUCTOR_COMPILE_THREADS:-}; [ "$variant" = threads1 ] && threads=1
+    env ${threads:+TORCHINDUCTOR_COMPILE_THREADS=$threads} "$PY" -m dflash.warm configs/qwen3-8b.toml \
+      --out "$scratch/restored/cache" "${sets[@]}" > "$scratch/again-$variant.jsonl" \
+      || { echo "restored warm failed"; return 1; }
+    find "$scratch/restored/cache" -type f | sort > "$scratch/files-after"
+    comm -13 "$scratch/files-before" "$scratch/files-after" | sed "s|$scratch/restored/cache/||" > "$scratch/new-$variant"
+  done
+  "$PY" - "$scratch" "$OUT/cache_probe.json" <<'EOF'
+import json, pathlib, sys
+d = pathlib.Path(sys.argv[1])
+cold = json.loads((d / "warm.json").read_text().strip().splitlines()[-1])["warm"]
+res = {"cold_s": cold["seconds"], "cold_breakdown": cold.get("breakdown"), "restored": {}}
+for v in ("default", "threads1"):
+    events = [json.loads(l) for l in (d / f"again-{v}.jsonl").read_text().splitlines() if l.startswith("{")]
+    done = next(e for e in events if e["event"] == "done")
+    new = (d / f"new-{v}").read_text().split()
+    res["restored"][v] = {
+        "seconds": done["seconds"], "ratio": done["seconds"] / cold["seconds"], "breakdown": done.get("breakdown"),
+        "counters": done["counters"], "per_shape": [e.get("breakdown") for e in events if e["event"] == "shape"],
+        "new_files": len(new), "new_triton_files": [f for f in new if f.startswith("triton/")][:40],
+        "new_other_files": [f for f in new if not f.startswith("triton/")][:20],
+    }
+pathlib.Path(sys.argv[2]).write_text(json.dumps(res, indent=2))
+print(json.dumps({v: {k: r[k] for k in ("seconds", "ratio", "new_files")} for v, r in res["restored"].items()}))
+EOF
+  local rc=$?
+  rm -rf "$scratch"
+  return $rc
+}
+if [[ " ${H200_ONLY:-} " == *" cache_probe "* ]]; then
+  step cache_probe "$(budget 300)" "$OUT/cache.log" bash -c "$(declare -f cache_probe); cache_probe"
+fi
+
 # (e) the pipeline benchmark gets what is left; it shortens its end-to-end run to fit --budget-s.
 PIPE_S=$(budget 9999)
 step pipeline "$PIPE_S" "$OUT/pipeline.log" \
@@ -193,7 +256,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention flex_tune drafter_step drafter_step_before head_loss compile_cache compile_cache_8b pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

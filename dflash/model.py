@@ -295,6 +295,19 @@ class DrafterLayer(nn.Module):
         return h_BQH + self.mlp(self.post_attention_layernorm(h_BQH))
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3RMSNorm's forward as a function of its input and weight (the same operations, in order)."""
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+_rms_norm_compiled = torch.compile(rms_norm)
+"""Its row count is marked dynamic: one graph per input dtype for every bucket (dflash.shapes counts
+them); on the H200 inductor makes each direction one kernel."""
+
+
 class DFlashDrafter(nn.Module):
     """Parameter names follow released DFlash drafters (fc, hidden_norm, layers.N..., norm), so
     trainable_state_dict() is what an engine loads next to the target's embedding and head."""
@@ -332,6 +345,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(spec, qwen3) for _ in range(spec.num_layers))
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        self.compiled_norms = False
         self.reset_parameters()
 
     @torch.no_grad()
@@ -363,8 +377,9 @@ class DFlashDrafter(nn.Module):
         A, K = anchors_BA.shape[1], self.spec.block_size
         autocast = torch.is_autocast_enabled(target_hidden_BSF.device.type)
         # Without autocast, compute in the parameters' dtype; under it, autocast picks (no fp32 copies).
-        ctx_BSH = self.hidden_norm(
-            self.fc(target_hidden_BSF if autocast else target_hidden_BSF.to(self.fc.weight.dtype))
+        ctx_BSH = self.outer_norm(
+            self.hidden_norm,
+            self.fc(target_hidden_BSF if autocast else target_hidden_BSF.to(self.fc.weight.dtype)),
         )
         if self.training and noise_std > 0:
             ctx_BSH = ctx_BSH + torch.randn_like(ctx_BSH) * noise_std
@@ -387,7 +402,20 @@ class DFlashDrafter(nn.Module):
         )
         for layer, window in zip(self.layers, windows, strict=True):
             h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
-        return self.norm(h_BQH).view(B, A, K, -1)
+        return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
+
+    def outer_norm(self, norm: Qwen3RMSNorm, x: Tensor) -> Tensor:
+        """The norms outside the decoder layers (the context's and the final one), compiled when the
+        layers are (compile_outer_norms): eagerly each is about ten kernels over the [tokens, H]
+        activations forward and backward."""
+        if not self.compiled_norms:
+            return norm(x)
+        x_NH = x.reshape(-1, x.shape[-1])
+        torch._dynamo.mark_dynamic(x_NH, 0)  # tokens vary with the bucket: one graph for all of them
+        return _rms_norm_compiled(x_NH, norm.weight, norm.variance_epsilon).view(x.shape)
+
+    def compile_outer_norms(self) -> None:
+        self.compiled_norms = True
 
     def lm_head(self, hidden_NH: Tensor) -> Tensor:
         if torch.is_autocast_enabled(hidden_NH.device.type):

@@ -37,7 +37,7 @@ def sample_anchors(
     next_is_loss_BL[:, :-1] = loss_mask_BL[:, 1:]
     eligible_BL = loss_mask_BL & next_is_loss_BL & (pos_L[None, :] < (seq_lens_B[:, None] - 1))
     # Random keys for eligible positions, +inf elsewhere; the smallest num_anchors keys win.
-    keys_BL = torch.rand(B, L, generator=generator, device="cpu").to(loss_mask_BL.device)
+    keys_BL = torch.rand(B, L, generator=generator, device="cpu").to(loss_mask_BL.device, non_blocking=True)
     keys_BL = keys_BL.masked_fill(~eligible_BL, float("inf"))
     take = min(num_anchors, L)
     keys_BA, idx_BA = keys_BL.topk(take, dim=1, largest=False)
@@ -83,12 +83,40 @@ def position_weights(block_size: int, gamma: float, device: torch.device | None 
 class LossOutput:
     loss: torch.Tensor
     """Weighted mean cross-entropy (scalar, differentiable)."""
-    acc_per_pos: list[float]
-    """Top-1 accuracy per block position 1..K-1 (nan where no position was trained)."""
-    acc: float
-    streak: float
-    tokens: int
-    """Trained block positions in this batch."""
+    hits_K: torch.Tensor
+    """Top-1 hits per block position 1..K-1, on the device."""
+    counts_K: torch.Tensor
+    """Trained positions per block position 1..K-1, on the device."""
+    _host: tuple[list[float], list[float]] | None = None
+
+    def _read(self) -> tuple[list[float], list[float]]:
+        """(hits, counts) on the host: one device sync, the first time a metric is read (the trainer
+        reads them after the optimizer step, so the step itself never waits for them)."""
+        if self._host is None:
+            hits, counts = torch.stack([self.hits_K.float(), self.counts_K.float()]).tolist()
+            self._host = (hits, counts)
+        return self._host
+
+    @property
+    def acc_per_pos(self) -> list[float]:
+        """Top-1 accuracy per block position 1..K-1 (nan where no position was trained)."""
+        hits, counts = self._read()
+        return [h / c if c > 0 else math.nan for h, c in zip(hits, counts, strict=True)]
+
+    @property
+    def acc(self) -> float:
+        hits, counts = self._read()
+        n = sum(counts)
+        return sum(hits) / n if n else math.nan
+
+    @property
+    def streak(self) -> float:
+        return expected_streak(self.acc_per_pos)
+
+    @property
+    def tokens(self) -> int:
+        """Trained block positions in this batch."""
+        return int(sum(self._read()[1]))
 
 
 def chunk_cross_entropy(
@@ -118,11 +146,11 @@ def chunk_cross_entropy(
 
 _chunk_cross_entropy_compiled = torch.compile(chunk_cross_entropy)
 """Compiled lazily at first call. The chunk's row count is marked dynamic at every call (the last
-chunk of a batch has a data-dependent size), so one graph per (dtype, want_grad) serves every batch:
+chunk's size depends on the length bucket), so one graph per (dtype, want_grad) serves every bucket:
 dflash.shapes counts it."""
 
 LOSS_ROW_MULTIPLE = 64
-"""Fused, the trained tokens are padded (weight 0) to a multiple of this and chunks are whole multiples
+"""Fused, the loss rows are padded (weight 0) to a multiple of this and chunks are whole multiples
 of it, so no chunk has 0 or 1 rows: dynamo specialises those sizes, a graph each."""
 
 
@@ -229,41 +257,36 @@ def dflash_loss(
 ) -> LossOutput:
     """Weighted cross-entropy over trained block positions through the frozen head, in chunks of
     `chunk_tokens` with the gradient taken in the forward pass (see _HeadCrossEntropy). fused=True
-    runs each chunk's softmax, loss, accuracy and gradient as one compiled function (train.fused_loss)."""
+    runs each chunk's softmax, loss, accuracy and gradient as one compiled function (train.fused_loss).
+
+    Every block position 1..K-1 is a row (position 0, the anchor itself, is never trained: block_labels
+    never marks it), untrained ones weighted 0. The rows are fixed by the batch's shape, not by its
+    data, so nothing here waits for the device: compacting to the trained rows needs their count on
+    the host, a sync in the middle of the step (on the H200 the 8B step's host gaps were 13 ms,
+    docs/BENCHMARKS.md). Accuracy stays on the device until LossOutput is read."""
     B, A, K, H = hidden_BAKH.shape
-    w_K = position_weights(K, gamma, hidden_BAKH.device)
-    k_BAK = torch.arange(K, device=hidden_BAKH.device).expand(B, A, K)
-    sel = valid_BAK.reshape(-1).nonzero().squeeze(1)
-    n = int(sel.numel())
-    k_N = k_BAK.reshape(-1).index_select(0, sel)
-    weights_N = w_K[k_N]
+    w_K = position_weights(K, gamma, hidden_BAKH.device)[1:]
+    valid_RK = valid_BAK[:, :, 1:].reshape(B * A, K - 1)
+    weights_N = (valid_RK * w_K).reshape(-1)
+    hidden_NH = hidden_BAKH[:, :, 1:].reshape(-1, H)
+    labels_N = labels_BAK[:, :, 1:].reshape(-1)
+    n = hidden_NH.shape[0]
     if fused:
         # Chunks of whole multiples too, so the last one is never 0 or 1 rows either.
         chunk_tokens = max(LOSS_ROW_MULTIPLE, chunk_tokens // LOSS_ROW_MULTIPLE * LOSS_ROW_MULTIPLE)
-    if fused and n % LOSS_ROW_MULTIPLE:
-        # Padding rows repeat token 0 with weight 0: their gradient is exactly zero.
-        pad = LOSS_ROW_MULTIPLE - n % LOSS_ROW_MULTIPLE
-        sel = torch.cat([sel, sel.new_zeros(pad)])
-        weights_N = torch.cat([weights_N, weights_N.new_zeros(pad)])
-    hidden_NH = hidden_BAKH.reshape(-1, H).index_select(0, sel)
-    labels_N = labels_BAK.reshape(-1).index_select(0, sel)
+        pad = -n % LOSS_ROW_MULTIPLE
+        if pad:  # padding rows: token 0, weight 0, so their gradient is exactly zero
+            hidden_NH = torch.cat([hidden_NH, hidden_NH.new_zeros(pad, H)])
+            labels_N = torch.cat([labels_N, labels_N.new_zeros(pad)])
+            weights_N = torch.cat([weights_N, weights_N.new_zeros(pad)])
     total, correct_N = _HeadCrossEntropy.apply(
         hidden_NH, head_weight_VH, labels_N, weights_N, chunk_tokens, fused
     )
-    correct_N = correct_N[:n]
-    denom = weights_N.sum().clamp_min(1e-6)
-    loss = total / denom
+    loss = total / weights_N.sum().clamp_min(1e-6)
     with torch.no_grad():
-        hits_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(0, k_N, correct_N.float())
-        counts_K = torch.zeros(K, device=hidden_BAKH.device).index_add_(
-            0, k_N, torch.ones_like(k_N, dtype=torch.float)
-        )
-        hits, counts = torch.stack([hits_K, counts_K]).tolist()  # one device sync for all of it
-    acc_per_pos = [hits[k] / counts[k] if counts[k] > 0 else math.nan for k in range(1, K)]
-    acc = sum(hits) / n if n else math.nan
-    return LossOutput(
-        loss=loss, acc_per_pos=acc_per_pos, acc=acc, streak=expected_streak(acc_per_pos), tokens=n
-    )
+        hits_K = (correct_N[:n].view(B * A, K - 1) & valid_RK).sum(0)
+        counts_K = valid_RK.sum(0)
+    return LossOutput(loss=loss, hits_K=hits_K, counts_K=counts_K)
 
 
 def expected_streak(acc_per_pos: list[float]) -> float:

@@ -20,8 +20,9 @@ dynamo keeps one graph per (length bucket, layer type, input requires grad): the
 a constant the layer's graph is specialised on, and the first layer's input (the frozen embedding's
 output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
 (unpadded and padded batches) per target layer type. The fused loss (train.fused_loss) is one
-graph of its own code: its row count is dynamic. The recompile limit is set to the largest of
-these counts: every planned graph fits, and a shape outside the plan hits the limit, which
+graph of its own code: its row count is dynamic. So are the two norms outside the layers (the
+context's and the final one, compiled with the layers): one code, a graph per input dtype, at most
+OUTER_NORM_GRAPHS. The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
 """
 
@@ -33,6 +34,10 @@ from typing import Any
 
 from dflash.config import JobConfig
 from dflash.errors import DFlashError
+
+OUTER_NORM_GRAPHS = 2
+"""Graphs of the compiled outer norms' code (dflash.model.rms_norm): the context's norm takes the fc's
+output (bf16 under autocast), the final norm the fp32 residual stream; their row counts are dynamic."""
 
 TARGET_VARIANTS = 2
 """Graphs the target's compiled layer takes per bucket: unpadded (causal mask only) and padded."""
@@ -135,7 +140,7 @@ class ShapePlan:
     @property
     def recompile_limit(self) -> int:
         """dynamo's per-code recompile limit for this plan: exactly what the plan compiles."""
-        return max(1, self.drafter_graphs, self.target_graphs)
+        return max(OUTER_NORM_GRAPHS, self.drafter_graphs, self.target_graphs)
 
     def buckets(self) -> list[list[int]]:
         """[[rows, length], ...]: the fingerprint's and the warm protocol's form."""

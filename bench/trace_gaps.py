@@ -1,0 +1,168 @@
+"""Where a profiled step's device time and idle time go, from torch.profiler's Chrome trace.
+
+    from trace_gaps import analyse
+    report = analyse(json.load(open("trace.json")), steps=3)
+
+Three things bench/drafter_step.py --profile cannot see from kernel totals alone:
+  - gaps: the GPU idle between kernels (the step's "host gaps"), each with the host op that launched
+    the kernel after it and the host ops running during it (a device sync shows up as the op that
+    waited, e.g. aten::item or aten::nonzero);
+  - per phase (the trainer's dflash.forward / loss / backward / optimizer ranges, by time) the device
+    time of compiled code (launched inside a compiled region) and of eager ops;
+  - the eager kernels by the op that launched them: what is left outside torch.compile.
+
+Pure Python over the trace's events (no torch), so its tests run on any machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from typing import Any
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+HOST_CATS = ("cpu_op", "user_annotation", "python_function")
+PHASE_PREFIX = "dflash."
+COMPILED_MARKS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFxGraph")
+GAP_MIN_US = 5.0
+"""Idle stretches shorter than this are launch latency, not gaps."""
+
+
+def _enclosing(ops: list[tuple[float, float, str]], queries: list[tuple[float, int]]) -> dict[int, list[str]]:
+    """For each (time, id) query, the names of the host ops on one thread that contain the time,
+    outermost first. ops: (start, end, name); a sweep over both sorted lists."""
+    ops = sorted(ops, key=lambda o: (o[0], -o[1]))
+    out: dict[int, list[str]] = {}
+    stack: list[tuple[float, float, str]] = []
+    i = 0
+    for t, qid in sorted(queries):
+        while i < len(ops) and ops[i][0] <= t:
+            while stack and stack[-1][1] < ops[i][0]:
+                stack.pop()
+            stack.append(ops[i])
+            i += 1
+        while stack and stack[-1][1] < t:
+            stack.pop()
+        out[qid] = [name for start, end, name in stack if start <= t <= end]
+    return out
+
+
+def _innermost_op(stack: list[str]) -> str:
+    """The innermost host op worth naming (aten ops, compiled regions, our ranges)."""
+    for name in reversed(stack):
+        if not name.startswith(("cuda", "cu", "void ")):
+            return name
+    return "(no host op)"
+
+
+def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in DEVICE_CATS]
+    if not kernels:
+        return {"gaps_ms_per_step": 0.0, "top_gaps": [], "phases": {}, "eager_ops": []}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
+    host_by_tid: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    phases: list[tuple[float, float, str]] = []
+    for e in events:
+        if e.get("cat") in HOST_CATS:
+            start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+            host_by_tid[e["tid"]].append((start, end, e["name"]))
+            if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX):
+                phases.append((start, end, e["name"][len(PHASE_PREFIX) :]))
+    phases.sort()
+    phase_starts = [p[0] for p in phases]
+
+    def phase_at(t: float) -> str:
+        i = bisect.bisect_right(phase_starts, t) - 1
+        if i >= 0 and phases[i][0] <= t <= phases[i][1]:
+            return phases[i][2]
+        return "outside"
+
+    # Host stack at every kernel's launch, per launching thread.
+    queries: dict[Any, list[tuple[float, int]]] = defaultdict(list)
+    for i, k in enumerate(kernels):
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is not None:
+            queries[launch["tid"]].append((float(launch["ts"]), i))
+    stacks: dict[int, list[str]] = {}
+    launch_ts: dict[int, float] = {}
+    for tid, qs in queries.items():
+        stacks.update(_enclosing(host_by_tid.get(tid, []), qs))
+        launch_ts.update({i: t for t, i in qs})
+
+    # Device time per phase, compiled or eager; eager kernels by launching op.
+    per_phase: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"compiled": 0.0, "eager": 0.0, "unlinked": 0.0}
+    )
+    eager_ops: dict[str, float] = defaultdict(float)
+    for i, k in enumerate(kernels):
+        dur = float(k.get("dur", 0.0))
+        if i not in stacks:
+            per_phase[phase_at(float(k["ts"]))]["unlinked"] += dur
+            continue
+        stack = stacks[i]
+        kind = "compiled" if any(n.startswith(COMPILED_MARKS) for n in stack) else "eager"
+        per_phase[phase_at(launch_ts[i])][kind] += dur
+        if kind == "eager":
+            eager_ops[_innermost_op(stack)] += dur
+
+    # Idle stretches of the device between the first and the last kernel (all streams merged).
+    order = sorted(range(len(kernels)), key=lambda i: float(kernels[i]["ts"]))
+    gaps: list[dict[str, Any]] = []
+    busy_until = float(kernels[order[0]]["ts"]) + float(kernels[order[0]].get("dur", 0.0))
+    for i in order[1:]:
+        k = kernels[i]
+        start = float(k["ts"])
+        if start - busy_until >= GAP_MIN_US:
+            gap = {"us": start - busy_until, "start": busy_until, "next_kernel": k["name"][:100]}
+            gap["launched_by"] = _innermost_op(stacks.get(i, []))
+            gap["phase"] = phase_at(launch_ts.get(i, start))
+            gaps.append(gap)
+        busy_until = max(busy_until, start + float(k.get("dur", 0.0)))
+    ranked_gaps = sorted(gaps, key=lambda g: -g["us"])[:top]
+    # What the host threads were in at the middle of each of the largest gaps (innermost ops last).
+    mids = [(g["start"] + g["us"] / 2, n) for n, g in enumerate(ranked_gaps)]
+    during: dict[int, list[str]] = defaultdict(list)
+    for ops in host_by_tid.values():
+        for n, stack in _enclosing(ops, mids).items():
+            inner = [name for name in stack if not name.startswith(PHASE_PREFIX)][-3:]
+            if inner:
+                during[n].append(" > ".join(inner))
+    for n, g in enumerate(ranked_gaps):
+        g["host_during"] = during.get(n, [])[:3]
+    by_op: dict[str, float] = defaultdict(float)
+    by_phase: dict[str, float] = defaultdict(float)
+    for g in gaps:
+        by_op[g["launched_by"]] += g["us"]
+        by_phase[g["phase"]] += g["us"]
+
+    def ms(us: float) -> float:
+        return round(us / 1000.0 / steps, 3)
+
+    return {
+        "gaps_ms_per_step": ms(sum(g["us"] for g in gaps)),
+        "gaps_per_step": round(len(gaps) / steps, 1),
+        "gap_ms_by_phase": {p: ms(v) for p, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+        "gap_ms_by_next_launcher": {
+            op: ms(v) for op, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+        },
+        "top_gaps": [
+            {
+                "ms": round(g["us"] / 1000.0, 3),
+                "phase": g["phase"],
+                "next_kernel": g["next_kernel"],
+                "launched_by": g["launched_by"],
+                "host_during": g.get("host_during", []),
+            }
+            for g in ranked_gaps
+        ],
+        "phases": {p: {k: ms(v) for k, v in d.items()} for p, d in per_phase.items()},
+        "eager_ops": [
+            {"op": op, "ms": ms(v)} for op, v in sorted(eager_ops.items(), key=lambda kv: -kv[1])[: top * 2]
+        ],
+    }

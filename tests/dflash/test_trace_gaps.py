@@ -1,0 +1,58 @@
+"""bench/trace_gaps.py reads a torch.profiler Chrome trace: gaps, who launched what, compiled vs eager.
+
+The trace here is written by hand in the profiler's format (a GPU is needed for a real one): two
+phases, an eager matmul, a kernel launched from a compiled region after a host sync, a kernel
+whose launch the trace does not record."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from trace_gaps import analyse  # noqa: E402
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: object) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+TRACE = {
+    "traceEvents": [
+        _x("user_annotation", "dflash.forward", 0, 100),
+        _x("user_annotation", "dflash.loss", 100, 100),
+        _x("cpu_op", "aten::linear", 5, 20),
+        _x("cpu_op", "aten::mm", 10, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 2, correlation=1),
+        _x("kernel", "nvjet_mm", 30, 10, tid=7, correlation=1),
+        _x("cpu_op", "aten::nonzero", 45, 80),  # the host waits in here until the device is done
+        _x("cpu_op", "Torch-Compiled Region: 0/0", 130, 30),
+        _x("cuda_driver", "cuLaunchKernelEx", 135, 2, correlation=2),
+        _x("kernel", "triton_red_fused_loss", 150, 20, tid=7, correlation=2),
+        _x("kernel", "unlinked_copy", 172, 2, tid=7, correlation=99),
+        _x("ac2g", "flow", 0, 0),  # not a complete event's category we read
+    ]
+}
+
+
+def test_gaps_are_found_and_named_by_the_launch_that_ends_them():
+    r = analyse(TRACE, steps=1)
+    # Device idle: 40 -> 150 (110 us, ended by the compiled region's launch); 170 -> 172 is under 5 us.
+    assert r["gaps_per_step"] == 1 and r["gaps_ms_per_step"] == 0.11
+    (gap,) = r["top_gaps"]
+    assert gap["launched_by"] == "Torch-Compiled Region: 0/0" and gap["phase"] == "loss"
+    assert gap["next_kernel"] == "triton_red_fused_loss"
+    assert gap["host_during"] == ["aten::nonzero"], gap
+    assert r["gap_ms_by_phase"] == {"loss": 0.11}
+
+
+def test_device_time_is_split_by_phase_into_compiled_eager_and_unlinked():
+    r = analyse(TRACE, steps=2)  # per step: halved
+    assert r["phases"]["forward"] == {"compiled": 0.0, "eager": 0.005, "unlinked": 0.0}
+    assert r["phases"]["loss"] == {"compiled": 0.01, "eager": 0.0, "unlinked": 0.001}
+    assert r["eager_ops"] == [{"op": "aten::mm", "ms": 0.005}]
+
+
+def test_a_trace_without_kernels_reports_nothing():
+    assert analyse({"traceEvents": [_x("cpu_op", "aten::mm", 0, 5)]}, steps=1)["top_gaps"] == []

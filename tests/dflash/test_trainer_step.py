@@ -1,0 +1,115 @@
+"""The drafter step's optimizer end: clipping folded into the fused optimizer, and a step that never
+waits for the device before its optimizer update (checked for real on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dflash.trainer import clip_and_step
+
+
+def _params_with_grads(scale: float, seed: int = 0) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((7, 5), (5,), (3, 4, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    return params
+
+
+@pytest.mark.parametrize("scale", [100.0, 1e-3], ids=["clipped", "under-the-limit"])
+def test_clip_folded_into_the_fused_optimizer_equals_clip_then_step(scale: float):
+    """AdamW(fused=True) divides the gradients by grad_scale in its kernel; three steps through
+    clip_and_step must land where clip_grad_norm_ + step lands, with the same reported norm."""
+    ref, folded = _params_with_grads(scale), _params_with_grads(scale)
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_folded = torch.optim.AdamW(folded, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        if step:
+            for i, (a, b) in enumerate(zip(_params_with_grads(scale, seed=step), ref, strict=True)):
+                b.grad = a.grad.clone()
+                folded[i].grad = a.grad.clone()
+        want = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        opt_ref.step()
+        got = clip_and_step(opt_folded, folded, 1.0)
+        assert torch.allclose(got, want, rtol=1e-6)
+        assert hasattr(opt_folded, "grad_scale") and not hasattr(opt_ref, "grad_scale")
+        for a, b in zip(folded, ref, strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    moved = sum(float((a - b).abs().max()) for a, b in zip(folded, _params_with_grads(scale), strict=True))
+    assert moved > 1e-3, "the parameters did not move"
+
+
+def test_unfused_optimizer_clips_the_gradients_themselves():
+    params = _params_with_grads(100.0)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    norm = clip_and_step(opt, params, 1.0)
+    assert float(norm) > 10.0
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in params])
+    assert abs(float(clipped) - 1.0) < 1e-4
+    assert not hasattr(opt, "grad_scale")
+
+
+@pytest.mark.gpu
+def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo):
+    """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
+    is queued without one device sync: CUDA's sync debug mode turns any into an error. The metrics
+    are read once, afterwards, and match a plain train_step's kind of result."""
+    from transformers import Qwen3Config
+
+    from dflash.config import load_config
+    from dflash.model import resolve_spec
+    from dflash.trainer import DrafterTrainer
+
+    dev = torch.device("cuda")
+    sizes = dict(
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+    )
+    cfg = load_config(
+        repo / "configs" / "qwen3-8b.toml",
+        [
+            "data.max_seq_len=512",
+            "data.bucket_multiple=512",
+            "data.min_seq_len=32",
+            "train.token_budget=1024",
+            "train.max_batch_size=2",
+            "train.num_anchors=64",
+            "train.loss_chunk_tokens=1024",
+            "drafter.num_target_layers=3",
+            "drafter.sliding_window=128",
+            f"drafter.mask_token_id={sizes['vocab_size'] - 1}",
+        ],
+    )
+    spec = resolve_spec(cfg.drafter, Qwen3Config(**sizes), cfg.drafter.mask_token_id)
+    gen = torch.Generator().manual_seed(0)
+    embed = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, torch.bfloat16)
+    head = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, torch.bfloat16)
+    trainer = DrafterTrainer(cfg, spec, embed, head, dev)
+    assert trainer.fused_loss and trainer.optimizer.defaults["fused"]
+    B, S = 2, 512
+    features = len(spec.target_layer_ids) * spec.target_hidden_size
+    batch = (
+        torch.randint(0, spec.vocab_size - 1, (B, S), device=dev),
+        torch.ones(B, S, dtype=torch.bool, device=dev),
+        torch.full((B,), S, device=dev),
+        torch.randn(B, S, features, device=dev, dtype=torch.bfloat16),
+    )
+    first = trainer.train_step(*batch)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = trainer.queue_step(*batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    r = trainer.read_step(queued)
+    assert r.step == 2 and r.tokens == B * S and 0 < r.block_tokens <= B * 64 * (spec.block_size - 1)
+    assert r.loss < first.loss + 1.0 and r.grad_norm > 0 and 0 <= r.acc <= 1
+    assert len(r.acc_per_pos) == spec.block_size - 1
