@@ -14,6 +14,14 @@ other from that cache (nothing else on the GPU). The best forward and the best b
 per layer kind are then compiled together and timed again: that pair is what goes into
 dflash.attention.flex.TUNED_KERNEL_OPTIONS. Effective TFLOP/s counts unmasked pairs only (as
 bench/attention.py: 4*D per pair forward, 3.5x that for forward + backward).
+
+USE_TMA candidates are timed but do not win unless --allow-tma. A TMA kernel takes tensor
+descriptors (Triton's global scratch or nvTmaDesc arguments), which inductor's static CUDA launcher
+refuses (torch/_inductor/runtime/static_triton_launcher.py), so with compile workers every such kernel
+is loaded a second time, through Triton, in the parent process: on a restored cache that is the
+whole cost of the kernel. The H200's restored 8B warm waited 17.1 s for kernels with the TMA forward,
+0.7 s in the run before without it (docs/BENCHMARKS.md; the A/B of TMA alone is not run yet). The TMA
+forward was 4-6% faster per call: 0.3 ms of the 277 ms 8B step.
 """
 
 from __future__ import annotations
@@ -256,6 +264,13 @@ def main() -> None:
         default="",
         help="merge the winners into this table file (dflash/attention/flex_tuned.json is the job's)",
     )
+    ap.add_argument(
+        "--allow-tma",
+        action="store_true",
+        help="let USE_TMA candidates win (off: their kernels need Triton's global scratch, which "
+        "inductor's static launcher cannot launch, so a restored cache reloads each one in the "
+        "parent process: ~2.4 s per length bucket of the 8B plan on the H200)",
+    )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--compile-only", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -351,10 +366,13 @@ def main() -> None:
         ok = [r for r in results if r["window"] == name and "fwd_ms" in r]
         if not ok:
             continue
-        f = min(ok, key=lambda r: r["fwd_ms"])
+        fwd_ok = [r for r in ok if args.allow_tma or not (r["options"] or {}).get("fwd_USE_TMA")]
+        f = min(fwd_ok, key=lambda r: r["fwd_ms"])
         entry: dict[str, Any] = {"fwd_from": f["candidate"], "fwd_ms": f["fwd_ms"]}
         opts: dict[str, Any] = {k: v for k, v in (f["options"] or {}).items() if k.startswith("fwd_")}
-        with_bwd = [r for r in ok if "bwd_ms" in r]
+        with_bwd = [
+            r for r in ok if "bwd_ms" in r and (args.allow_tma or not (r["options"] or {}).get("bwd_USE_TMA"))
+        ]
         if with_bwd:
             b = min(with_bwd, key=lambda r: r["bwd_ms"])
             entry.update(bwd_from=b["candidate"], bwd_ms=b["bwd_ms"])
