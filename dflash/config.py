@@ -10,6 +10,12 @@ Validation, also once, before any model or data is loaded:
 - the rules between fields (config_problems) run once on the built JobConfig (load_config, validate).
 Unknown keys and bad values raise ConfigError naming the dotted key and the allowed values
 (load_config, the job: the first one); collect_config gathers them all instead (dflash.check).
+
+Why by hand (a Range per field and one finite/range check) and not pydantic v2 or msgspec: the
+job's environment is pinned and hash-locked (envs/), and the field incident (FIELD.md) began with
+extra packages polluting it; a validator library is one more pinned dependency in every job image
+for about 100 lines of checks. The by-hand version rejects NaN/inf in every float field, and
+tests/dflash/test_config_sweep.py walks every numeric field of every section to keep it so.
 """
 
 from __future__ import annotations

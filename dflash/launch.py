@@ -15,8 +15,10 @@ checkpoint); a second signal kills everything at once.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -382,12 +384,63 @@ class Supervisor:
         }
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+"""One DNS label (RFC 1123, plus the '_' that cluster host names often carry and resolvers accept)."""
+
+
+def endpoint_problem(value: str) -> str | None:
+    """Why `value` is not a rendezvous HOST:PORT (a hostname, an IPv4 address or [IPv6], port
+    1-65535), in words; None when it is one. It reaches torchrun's command line, so a leading '-'
+    (read as an option) is refused first."""
+    if value.startswith("-"):
+        return "it starts with '-', which a command line reads as an option"
+    if value.startswith("["):
+        host, sep, port = value[1:].partition("]:")
+        if not sep:
+            return "an IPv6 address goes as [ADDRESS]:PORT"
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return f"{host!r} between the brackets is not an IPv6 address"
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            return "no :PORT"
+        if not host:
+            return "no HOST before the :"
+        if re.fullmatch(r"[0-9.]+", host):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                return f"{host!r} is not an IPv4 address"
+        elif ":" in host:
+            return f"{host!r} has a ':': write an IPv6 address in brackets, [ADDRESS]:PORT"
+        elif len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
+            return f"{host!r} is not a hostname (letters, digits, '-', '_' in dot-separated labels)"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"port {port!r} is not a number in 1..65535"
+    return None
+
+
 def host_problems(
     cfg: JobConfig, nnodes_arg: int | None, node_rank: int, endpoint_arg: str | None
 ) -> tuple[int, str, list[tuple[str, str]]]:
     """(nnodes, rendezvous endpoint, problems as (config key, message)) of a launch's host arguments:
     every rule the group needs, checked before anything starts (dflash.check reports them all)."""
     problems: list[tuple[str, str]] = []
+    for given, value in (
+        ("--rdzv-endpoint", endpoint_arg),
+        ("pipeline.rdzv_endpoint", cfg.pipeline.rdzv_endpoint),
+    ):
+        why = endpoint_problem(value) if value else None
+        if why is not None:
+            problems.append(
+                (
+                    "pipeline.rdzv_endpoint",
+                    f"{given} {value!r} is not HOST:PORT: {why}; pass an address of host 0 that every "
+                    "host can reach, e.g. 10.0.0.1:29400, gpu0.cluster:29400 or [fd00::1]:29400",
+                )
+            )
     if nnodes_arg is not None and nnodes_arg < 1:
         problems.append(("pipeline.nnodes", f"--nnodes must be >= 1, got {nnodes_arg}"))
     nnodes = nnodes_arg if nnodes_arg is not None and nnodes_arg >= 1 else cfg.pipeline.nnodes
@@ -454,6 +507,34 @@ def plan_lines(p: dict[str, Any]) -> list[str]:
     return [shlex.join([sys.executable, "-m", *host["module_args"]]) for host in p["hosts"]]
 
 
+class StoppedBeforeStart(BaseException):
+    """A stop asked for before the workers started. BaseException, as KeyboardInterrupt is: the
+    data loading it may interrupt catches Exception to skip bad records."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class EarlyStop:
+    """SIGTERM/SIGINT while the run directory is opened, the data prepared and the queue made (the
+    Supervisor's handlers come after). The first signal is noted and the launch stops at the next
+    step boundary, in order: a `stopped` event, the queue unlinked, exit status 0 as for any
+    signalled stop. A second one stops the step it interrupts at once."""
+
+    reason: str = ""
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if self.reason:
+            raise StoppedBeforeStart(self.reason)
+        self.reason = f"signal {signal.Signals(signum).name}"
+
+    def check(self) -> None:
+        if self.reason:
+            raise StoppedBeforeStart(self.reason)
+
+
 def launch(args: argparse.Namespace) -> int:
     from dflash.pipeline.transport import HiddenStateQueue, name_for_run
     from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
@@ -469,26 +550,53 @@ def launch(args: argparse.Namespace) -> int:
         print(json.dumps(p) if args.json else "\n".join(plan_lines(p)))
         return 0
     devices = worker_devices(cfg)  # refuses lists that do not match the worker counts, before anything starts
+    early = EarlyStop()
+    signal.signal(signal.SIGTERM, early.on_signal)
+    signal.signal(signal.SIGINT, early.on_signal)
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
-    parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
-    from dflash.placement import preflight
+    queue = None
+    try:
+        early.check()
+        parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
+        early.check()
+        from dflash.placement import preflight
 
-    preflight(cfg, *devices, parts.target_path)  # placement and memory, before any worker
-    spec = resolve_drafter_spec(cfg, parts)
-    features = len(spec.target_layer_ids) * spec.target_hidden_size
-    elem = torch_dtype(cfg.target.dtype).itemsize
-    problem = slot_problem(cfg, features, elem)
-    if problem is not None:
-        raise DFlashError(problem)
-    name = f"{name_for_run(run.root)}-n{args.node_rank}"
-    queue = HiddenStateQueue.create(
-        name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
-    )
-    sup = Supervisor(
-        cfg, run, args.config, args.overrides, args.node_rank, nnodes, endpoint, data=parts.dataset.summary()
-    )
-    signal.signal(signal.SIGTERM, sup.on_signal)
-    signal.signal(signal.SIGINT, sup.on_signal)
+        preflight(cfg, *devices, parts.target_path)  # placement and memory, before any worker
+        spec = resolve_drafter_spec(cfg, parts)
+        features = len(spec.target_layer_ids) * spec.target_hidden_size
+        elem = torch_dtype(cfg.target.dtype).itemsize
+        problem = slot_problem(cfg, features, elem)
+        if problem is not None:
+            raise DFlashError(problem)
+        name = f"{name_for_run(run.root)}-n{args.node_rank}"
+        queue = HiddenStateQueue.create(
+            name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
+        )
+        sup = Supervisor(
+            cfg,
+            run,
+            args.config,
+            args.overrides,
+            args.node_rank,
+            nnodes,
+            endpoint,
+            data=parts.dataset.summary(),
+        )
+        signal.signal(signal.SIGTERM, sup.on_signal)
+        signal.signal(signal.SIGINT, sup.on_signal)
+        early.check()  # from here on, a signal is the Supervisor's to handle
+    except StoppedBeforeStart as e:
+        if queue is not None:
+            queue.close()
+            queue.unlink()
+        run.event("stopped", node_rank=args.node_rank, reason=e.reason, before_workers=True)
+        print(f"{e.reason} before any worker started; run directory: {run.root}", flush=True)
+        return 0
+    except BaseException:
+        if queue is not None:
+            queue.close()
+            queue.unlink()
+        raise
     # Every worker (targets, torchrun and its drafters) inherits this and stops itself if the
     # supervisor vanishes without cleaning up (SIGKILL, OOM killer): see Heartbeat.
     os.environ[SUPERVISOR_ENV] = supervisor_token()
@@ -524,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoppedBeforeStart as e:  # a second signal while the run directory was being opened
+        print(f"{e.reason} before the run directory was open", file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true posi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -303,9 +304,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x32 * torch.rsqrt(variance + eps)).to(input_dtype)
 
 
-_rms_norm_compiled = torch.compile(rms_norm)
-"""Its row count is marked dynamic: one graph per input dtype for every bucket (dflash.shapes counts
-them); on the H200 inductor makes each direction one kernel."""
+@functools.cache
+def _rms_norm_compiled() -> Any:
+    """rms_norm compiled, made at first use (torch.compile imports inductor: seconds a process that
+    only reads the drafter's spec, such as the supervisor, must not pay). Its row count is marked
+    dynamic: one graph per input dtype for every bucket (dflash.shapes counts them)."""
+    return torch.compile(rms_norm)
 
 
 class DFlashDrafter(nn.Module):
@@ -412,7 +416,7 @@ class DFlashDrafter(nn.Module):
             return norm(x)
         x_NH = x.reshape(-1, x.shape[-1])
         torch._dynamo.mark_dynamic(x_NH, 0)  # tokens vary with the bucket: one graph for all of them
-        return _rms_norm_compiled(x_NH, norm.weight, norm.variance_epsilon).view(x.shape)
+        return _rms_norm_compiled()(x_NH, norm.weight, norm.variance_epsilon).view(x.shape)
 
     def compile_outer_norms(self) -> None:
         self.compiled_norms = True

@@ -12,6 +12,7 @@ independent: sum_{k=1}^{K-1} prod_{j<=k} p_j.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -144,10 +145,13 @@ def chunk_cross_entropy(
     return total, correct_C, g_CV
 
 
-_chunk_cross_entropy_compiled = torch.compile(chunk_cross_entropy)
-"""Compiled lazily at first call. The chunk's row count is marked dynamic at every call (the last
-chunk's size depends on the length bucket), so one graph per (dtype, want_grad) serves every bucket:
-dflash.shapes counts it."""
+@functools.cache
+def _chunk_cross_entropy_compiled() -> Any:
+    """chunk_cross_entropy compiled, made at first use (torch.compile imports inductor). The chunk's
+    row count is marked dynamic at every call (the last chunk's size depends on the length bucket),
+    so one graph per (dtype, want_grad) serves every bucket: dflash.shapes counts it."""
+    return torch.compile(chunk_cross_entropy)
+
 
 LOSS_ROW_MULTIPLE = 64
 """Fused, the loss rows are padded (weight 0) to a multiple of this and chunks are whole multiples
@@ -167,7 +171,7 @@ def _chunk_loss(
     for t in (logits_CV, y_C, w_C):
         torch._dynamo.mark_dynamic(t, 0)
     with torch.autocast(logits_CV.device.type, enabled=False):
-        return _chunk_cross_entropy_compiled(logits_CV, y_C, w_C, ce_dtype, want_grad)
+        return _chunk_cross_entropy_compiled()(logits_CV, y_C, w_C, ce_dtype, want_grad)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):

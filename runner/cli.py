@@ -10,9 +10,17 @@ import typer
 import runner.commands
 from runner import __version__
 
+HELP = (
+    "Run DFlash drafter training jobs on GPU hosts, from environment to result: build and lock the "
+    "environments (build, lock, doctor), warm and manage their compile caches (warm-cache, cache); "
+    "launch a job in tmux, a container or this terminal, here or over ssh (run), then find, follow "
+    "and stop it (ps, logs, attach, stop); watch it live and act on hangs (watch, baselines); report "
+    "on a finished run (report); or try it all on CPU (demo)."
+)
+
 app = typer.Typer(
     name="dflashctl",
-    help="Build, check and cache the environments of DFlash drafter training jobs on GPU hosts.",
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -31,7 +39,7 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    """Build, check and cache the environments of DFlash drafter training jobs on GPU hosts."""
+    """Run DFlash drafter training jobs on GPU hosts: build, run, watch, report."""
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(runner.commands.__path__)):

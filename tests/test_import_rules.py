@@ -64,3 +64,64 @@ def test_every_runner_module_and_verb_imports_without_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) >= 5, "fewer CLI verbs than expected"
+
+
+OUTPUT_ALLOWED = {
+    "runner/cli.py": "the entry point",
+    "runner/console.py": "the console the commands print through",
+    "runner/watch/live.py": "the dashboard renderer: `dflashctl watch` draws its live view through it",
+    "runner/exec/proc.py": (
+        "a program of its own on the host (`python3 -` fed its source): its stdout is its JSON answer; "
+        "the functions the runner imports from it print nothing"
+    ),
+    "runner/launch/foreground.py": (
+        "streams the job's output to this terminal through the on_line function its caller passes "
+        "(the `run` command); with none given it prints each line itself"
+    ),
+}
+"""Modules outside runner/commands/ that may print or import the console, and why."""
+
+
+def _output(path: Path) -> list[str]:
+    """Each use of print (a call, or print passed on as a default such as `progress=print`) and
+    each import of the Rich console (runner.console, rich's Console)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Name) and node.id == "print":
+            found.append(f"print at line {node.lineno}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = {a.name for a in node.names}
+            if node.module == "runner.console" or (node.module == "rich.console" and "Console" in names):
+                found.append(f"from {node.module} import {', '.join(sorted(names))} at line {node.lineno}")
+            elif node.module == "runner" and "console" in names:
+                found.append(f"from runner import console at line {node.lineno}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in ("runner.console", "rich.console"):
+                    found.append(f"import {a.name} at line {node.lineno}")
+    return found
+
+
+def test_library_modules_never_print() -> None:
+    """Only commands print: library code reports through return values, exceptions and the
+    progress functions its callers pass."""
+    files = sorted((REPO / "runner").rglob("*.py"))
+    rel = {str(f.relative_to(REPO)): f for f in files}
+    assert set(OUTPUT_ALLOWED) <= set(rel), f"allowlisted modules gone: {set(OUTPUT_ALLOWED) - set(rel)}"
+    bad = {
+        name: hits
+        for name, f in rel.items()
+        if not name.startswith("runner/commands/") and name not in OUTPUT_ALLOWED and (hits := _output(f))
+    }
+    assert not bad, f"library modules print or import the console (only runner/commands/ may): {bad}"
+
+
+def test_the_output_rule_sees_prints_and_console_imports(tmp_path: Path) -> None:
+    mod = tmp_path / "m.py"
+    mod.write_text(
+        "from runner.console import console\nfrom rich.console import Console, Group\n"
+        "import rich.console\ns = 'print(1)'\ndef f(say=print):\n    print(s)\n"
+    )
+    assert len(_output(mod)) == 5
+    mod.write_text("from rich.console import Group\nsys.stdout.write('x')\n")
+    assert _output(mod) == []

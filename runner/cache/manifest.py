@@ -163,7 +163,8 @@ class Manifest:
         if not isinstance(data, dict):
             raise bad("not a JSON object")
         fmt = data.get("format")
-        if fmt != FORMAT_VERSION:
+        # bool is an int subclass and `True == 1`: a manifest saying `"format": true` is not format 1.
+        if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != FORMAT_VERSION:
             raise ArtifactError(
                 f"{where}: artifact format {fmt!r}, this dflashctl reads format "
                 f"{FORMAT_VERSION}; use a matching dflashctl version"

@@ -20,8 +20,9 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -32,7 +33,7 @@ from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.launch import foreground
 from runner.launch.apply import apply, wait_started
-from runner.launch.plan import Request, build_plan, new_run_id
+from runner.launch.plan import HostPlan, Request, build_plan, new_run_id
 from runner.launch.preflight import preflight
 from runner.launch.registry import Registry
 from runner.rundir import RunLocation, append_event
@@ -69,6 +70,39 @@ class FaultInjector:
             )
 
 
+def foreground_with_watch(
+    hosts: list[HostPlan], session: WatchSession, on_tick: Callable[[], None] | None
+) -> int:
+    """The foreground job in this thread, the main one: foreground.run installs its signal handlers
+    there (Python allows them nowhere else), so Ctrl-C reaches the job from the terminal and a
+    SIGTERM to dflashctl is forwarded to it. watch runs beside it in a thread, until it saw the job
+    finish, or shortly after the job exited (a Ctrl-C also ends the sampler, which then cannot see
+    the stop). The exit code is watch's."""
+    stop = threading.Event()
+    result: dict[str, Any] = {}
+
+    def watch() -> None:
+        try:
+            # From the job's start: before it, watch would call the run "not running" (and record that).
+            if session.wait_running(stop):
+                result["code"] = run_live(session, on_tick=on_tick, stop=stop)
+        except BaseException as e:  # handed to the main thread below
+            result["error"] = e
+
+    thread = threading.Thread(target=watch, name="demo-watch", daemon=True)
+    thread.start()
+    try:
+        # The job's output goes to its log only, not over the dashboard.
+        foreground.run(hosts, on_line=lambda prefix, line: None)
+    finally:
+        thread.join(timeout=30)  # time for watch to read the job's last records and its stop
+        stop.set()
+        thread.join(timeout=30)
+    if "error" in result:
+        raise result["error"]
+    return int(result.get("code", 0))
+
+
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo_cmd(
@@ -100,17 +134,7 @@ def register(app: typer.Typer) -> None:
                 plan, req, store=store, registry=Registry(), progress=lambda m: console.print(f"   {m}")
             )
             hp = plan.hosts[0]
-            job: threading.Thread | None = None
-            if backend == "foreground":
-                # This process watches; the job's output goes to its log only, not over the dashboard.
-                job = threading.Thread(
-                    target=foreground.run,
-                    args=(plan.hosts,),
-                    kwargs={"on_line": lambda p, line: None},
-                    daemon=True,
-                )
-                job.start()
-            elif wait_started(plan, timeout=8.0):
+            if backend == "tmux" and wait_started(plan, timeout=8.0):
                 raise RunnerError(f"the demo job exited at once; see `dflashctl logs {run_id}`")
             console.print(
                 f"[bold]2. watch[/] {'(drafter-0 freezes at step ' + str(steps // 2) + ')' if fault else ''}"
@@ -118,11 +142,13 @@ def register(app: typer.Typer) -> None:
             injector = FaultInjector(hp.run_dir, steps // 2) if fault else None
             session = WatchSession(rec, interval_s=1.0, policy=Policy())
             try:
-                code = run_live(session, on_tick=injector.tick if injector else None)
+                on_tick = injector.tick if injector else None
+                if backend == "foreground":
+                    code = foreground_with_watch(plan.hosts, session, on_tick)
+                else:
+                    code = run_live(session, on_tick=on_tick)
             finally:
                 session.close()
-            if job is not None:
-                job.join(timeout=60)
             out = Path(hp.run_dir) / "report.png"
             summary = build_report(Path(hp.run_dir), out)
             console.print("[bold]3. report[/]")

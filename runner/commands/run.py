@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from runner.cache.paths import unusable_reason
 from runner.cache.store import Store
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console, err_console, warn
@@ -61,10 +62,11 @@ def _check_local_runs_root(runs_root: str) -> None:
             f"runs root {runs_root}: {probe} is not a directory; pass --runs-root DIR (a directory, "
             "or a path that can be created)"
         )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise BadInput(
-            f"runs root {runs_root}: {probe} is not writable by you; pass --runs-root DIR you can write"
-        )
+    # A real mkdir, not access(): that says yes to root everywhere, also under /sys, where
+    # mkdir fails all the same (and the job then fails after every check has passed).
+    reason = unusable_reason(runs_root)
+    if reason is not None:
+        raise BadInput(f"runs root {runs_root}: {reason}; pass --runs-root DIR you can write")
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ import typer
 from runner.console import cli_errors, console
 from runner.errors import BadInput, RunnerError
 from runner.exec import remote
-from runner.launch.control import status, stop
+from runner.launch.control import StopResult, stop
 from runner.launch.registry import Registry
 
 
@@ -31,29 +31,31 @@ def register(app: typer.Typer) -> None:
             rec = Registry().find(run)
             say = (lambda m: None) if as_json else (lambda m: console.print(m, highlight=False))
             result = stop(rec, force=force, timeout=timeout, progress=say)
-            final = status(rec)
-            if result.left:
+            if result.left and result.forced:
                 raise RunnerError(
                     f"{rec.run_id}: processes still alive after the stop: {result.left}; they did not "
                     "die from SIGKILL (uninterruptible I/O or a GPU fault): check the host"
                 )
         if as_json:
-            typer.echo(
-                json.dumps(
-                    {
-                        "run_id": rec.run_id,
-                        "graceful": result.graceful,
-                        "forced": result.forced,
-                        "seconds": round(result.seconds, 1),
-                        "state": final.state,
-                        "reason": final.reason,
-                    }
-                )  # fmt: skip
-            )
-            return
-        how = "killed" if result.forced else "stopped"
-        console.print(
-            f"[green]{how}[/] {rec.run_id} in {result.seconds:.1f} s: {final.state}"
-            + (f" ({final.reason})" if final.reason else ""),
-            highlight=False,
+            typer.echo(json.dumps({"run_id": rec.run_id, **result.to_dict()}))
+        else:
+            console.print(_summary(rec.run_id, result), highlight=False)
+        if result.left:
+            raise typer.Exit(1)
+
+
+def _summary(run_id: str, r: StopResult) -> str:
+    """One honest line: a clean stop only when every supervisor got SIGTERM and the run ended so."""
+    state = r.state + (f" ({r.reason})" if r.reason else "")
+    if r.graceful:
+        return f"[green]stopped[/] {run_id} in {r.seconds:.1f} s: {state}"
+    if r.forced:
+        return f"[yellow]killed[/] {run_id} in {r.seconds:.1f} s: {state}"
+    if r.left:
+        return (
+            f"[red]not stopped[/] {run_id}: still running on {', '.join(r.left)} (its supervisor did "
+            f"not match the recorded process; nothing was signalled there): {state}"
         )
+    if r.missed:
+        return f"[yellow]was not running[/] {run_id} on {', '.join(r.missed)}: {state}"
+    return f"[yellow]stopped, not cleanly[/] {run_id} in {r.seconds:.1f} s: {state}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated
@@ -11,7 +12,7 @@ import typer
 from runner.cache.settings import config_path, config_table
 from runner.console import cli_errors, console
 from runner.envs import tomllib
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.launch.registry import HostRecord, Registry, RunRecord
 from runner.watch.actions import Policy
@@ -70,6 +71,15 @@ def register(app: typer.Typer) -> None:
         grace: Annotated[
             float, typer.Option(help="Seconds between SIGTERM and SIGKILL of a hung drafter.")
         ] = 15.0,
+        max_restarts: Annotated[
+            int,
+            typer.Option(
+                help="Kills and relaunches allowed per --restart-window; beyond that watch only reports."
+            ),
+        ] = Policy().max_actions,
+        restart_window: Annotated[
+            float, typer.Option(help="Seconds over which --max-restarts is counted.")
+        ] = Policy().window_s,
         fake_nvml: Annotated[
             str | None,
             typer.Option(help="A FakeNVML JSON spec on the host (tests, GPU-less demos).", hidden=True),
@@ -79,20 +89,32 @@ def register(app: typer.Typer) -> None:
         code = 0
         with cli_errors(), remote.connections():
             if interval <= 0:
-                raise RunnerError("--interval must be > 0")
+                raise BadInput("--interval must be > 0")
+            if max_restarts < 0 or restart_window <= 0:
+                raise BadInput("--max-restarts must be >= 0 and --restart-window > 0 (seconds)")
+            if as_json and not once:
+                raise BadInput(
+                    "--json prints one snapshot: use it with --once; for a live feed use --prometheus"
+                )
+            if prometheus and once:
+                raise BadInput(
+                    "--prometheus serves the live snapshot while watch runs: drop --once, "
+                    "or use --once --json for one snapshot"
+                )
             rec = find_run(run)
             thresholds = thresholds_from(threshold or [])
-            policy = Policy(restart=restart and not once, restart_targets=restart_targets, grace_s=grace)
-            exporter = None
-            if prometheus:
-                from runner.watch.prometheus import PrometheusExporter, parse_bind
+            policy = Policy(restart=restart and not once, restart_targets=restart_targets, grace_s=grace,
+                            max_actions=max_restarts, window_s=restart_window)  # fmt: skip
+            with contextlib.ExitStack() as stack:
+                exporter = None
+                if prometheus:
+                    from runner.watch.prometheus import PrometheusExporter, parse_bind
 
-                host, port = parse_bind(prometheus)
-                exporter = PrometheusExporter(host=host, port=port)
-            session = WatchSession(
-                rec, interval_s=interval, thresholds=thresholds, policy=policy, once=once, fake_nvml=fake_nvml
-            )
-            try:
+                    host, port = parse_bind(prometheus)
+                    exporter = stack.enter_context(PrometheusExporter(host=host, port=port))
+                session = WatchSession(rec, interval_s=interval, thresholds=thresholds, policy=policy,
+                                       once=once, fake_nvml=fake_nvml)  # fmt: skip
+                stack.callback(session.close)
                 if once:
                     wait_first(session, timeout=30)
                     code = session.exit_code()
@@ -109,6 +131,4 @@ def register(app: typer.Typer) -> None:
                         console.print(view(session))
                 else:
                     code = run_live(session, exporter)
-            finally:
-                session.close()
         raise typer.Exit(code)

@@ -16,11 +16,19 @@ from runner.exec.stream import stream as run_streamed
 
 
 def ensure_engine(host: str | None) -> None:
+    """The docker CLI is installed on host and its engine answers; else a RunnerError saying which."""
+    where = host or "this machine"
+    if remote.run(host, ["sh", "-c", "command -v docker"], check=False, timeout=60).returncode != 0:
+        raise RunnerError(
+            f"the docker CLI is not installed on {where} (no `docker` on its PATH): install Docker "
+            "(apt-get install docker.io), or go without containers: `dflashctl build --venv PATH`, "
+            "`dflashctl run --backend tmux`"
+        )
     proc = remote.run(host, ["docker", "info", "--format", "{{.ServerVersion}}"], check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or b"").decode(errors="replace").strip()[-400:]
         raise RunnerError(
-            f"no Docker engine reachable on {host or 'this machine'} ({tail}); start dockerd, "
+            f"no Docker engine reachable on {where} ({tail}); start dockerd, "
             "or build a venv instead with `dflashctl build --venv PATH`"
         )
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.errors import RunnerError
 from runner.exec import remote
+from runner.exec.proc import ProcId
 from runner.launch import docker as docker_backend
 from runner.launch import tmux
 from runner.launch.plan import SUPERVISOR_LOG
@@ -84,21 +86,45 @@ def status(rec: RunRecord) -> RunStatus:
     )
 
 
-def recorded_processes(view: RunView) -> list[tuple[int, float | None]]:
-    """Every process the run recorded on this host: the lock holder (the supervisor), each worker's
-    heartbeat pid (with its start time) and the pids of the `launched` events."""
-    ids: dict[int, float | None] = {}
-    if view.lock_pid:
-        ids[view.lock_pid] = None
-    for hb in view.heartbeats.values():
-        if isinstance(hb.get("pid"), int) and hb.get("state") != "stopped":
-            ids[hb["pid"]] = hb.get("started_at")
+CLOCK_MARGIN_S = 5.0
+"""Added to the start-time slack where a bound comes from this machine's clock (the run's creation
+time) while the process started on the host's: the offset is read in whole seconds, over ssh."""
+
+
+def recorded_processes(view: RunView, *, created_at: float | None = None) -> list[ProcId]:
+    """Every process the run recorded on this host, each with the window its start time must lie in
+    (runner/exec/proc.py): the pids of the `launched` events (the supervisor, the targets, the
+    drafter group) started after the run was created and before the event; each worker's heartbeat
+    pid before its started_at; the job.lock holder (the supervisor) after the run was created."""
+    made = None if created_at is None else created_at + view.clock_offset - CLOCK_MARGIN_S
+    ids: dict[int, ProcId] = {}
     for e in view.events:
         if e.get("event") == "launched":
-            for pid in [*(e.get("targets") or {}).values(), e.get("drafter_group_pid")]:
-                if isinstance(pid, int):
-                    ids.setdefault(pid, None)
-    return sorted(ids.items())
+            t = e.get("t") if isinstance(e.get("t"), (int, float)) else None
+            for pid in [e.get("pid"), *(e.get("targets") or {}).values(), e.get("drafter_group_pid")]:
+                if isinstance(pid, int):  # a newer launch of the same pid number replaces the older
+                    ids[pid] = ProcId(pid, made, t) if made is not None else ProcId.recorded(pid, t)
+    for hb in view.heartbeats.values():
+        pid, at = hb.get("pid"), hb.get("started_at")
+        if isinstance(pid, int) and hb.get("state") != "stopped":
+            ids[pid] = ProcId.recorded(pid, at) if isinstance(at, (int, float)) else ProcId(pid, made)
+    if view.lock_pid and view.lock_pid not in ids:
+        ids[view.lock_pid] = ProcId(view.lock_pid, made)
+    return [ids[p] for p in sorted(ids)]
+
+
+def pane_processes(h: HostRecord, view: RunView, *, created_at: float) -> list[ProcId]:
+    """The shell of the run's tmux window (the supervisor's parent), started after the run was
+    created: what a stop can still reach before the supervisor has recorded anything."""
+    if not h.tmux_session:
+        return []
+    target = f"={h.tmux_session}" + (f":{h.tmux_window}" if h.tmux_window else "")
+    proc = remote.run(
+        h.host, ["tmux", "list-panes", "-t", target, "-F", "#{pane_pid}"], check=False, timeout=60
+    )
+    made = created_at + view.clock_offset - CLOCK_MARGIN_S
+    pids = proc.stdout.decode().split() if proc.returncode == 0 else []
+    return [ProcId(int(p), made) for p in pids if p.isdigit()]
 
 
 def proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
@@ -108,76 +134,181 @@ def proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
     return remote.parse_json_tail(proc.stdout, "the process tool", "is python3 on that host?")
 
 
-def alive_pids(host: str | None, ids: list[tuple[int, float | None]]) -> list[int]:
+def _ids_json(ids: list[ProcId]) -> str:
+    return json.dumps([p.to_json() for p in ids])
+
+
+def alive_pids(host: str | None, ids: list[ProcId]) -> list[int]:
     if not ids:
         return []
-    return list(proc_tool(host, ["alive", json.dumps(ids)]).get("alive", []))
+    return list(proc_tool(host, ["alive", _ids_json(ids)]).get("alive", []))
 
 
-def _kill_all(rec: RunRecord, h: HostRecord, view: RunView) -> None:
+def _kill_all(h: HostRecord, ids: list[ProcId]) -> None:
     if h.container:
         docker_backend.signal(h.host, h.container, "KILL")
-    ids = recorded_processes(view)
     if ids and not h.container:  # container pids are in the container's namespace: docker kill did it
-        proc_tool(h.host, ["signal", "SIGKILL", json.dumps(ids)])
+        proc_tool(h.host, ["signal", "SIGKILL", _ids_json(ids)])
     if h.tmux_session:
         tmux.kill(h.host, h.tmux_session)
+
+
+def _takes_sigterm(view: RunView) -> bool:
+    """The supervisor holds the run directory and has launched its workers, so its SIGTERM handler
+    is installed (the job installs it just before it starts them): a SIGTERM earlier would kill it
+    without a final checkpoint or `stopped` event (and a container's pid 1 ignores it)."""
+    last = view.last_lifecycle()
+    return view.running and last is not None and last.get("event") == "launched"
+
+
+def _may_still_start(rec: RunRecord, h: HostRecord, view: RunView) -> bool:
+    """Whether this host's job may yet reach the point where it takes SIGTERM."""
+    if view.running:
+        return True
+    last = view.last_lifecycle()
+    if last is not None and last.get("event") == "stopped":
+        return False
+    if h.tmux_session:
+        return tmux.window_alive(h.host, h.tmux_session, h.tmux_window)
+    if h.container:
+        return docker_backend.state(h.host, h.container) in ("running", "created")
+    return view.state(started_at=rec.created_at) == "starting"
+
+
+def _terminate(h: HostRecord, view: RunView, created_at: float) -> bool:
+    """SIGTERM to the host's supervisor, its identity checked first; whether it was sent."""
+    if h.container:
+        docker_backend.signal(h.host, h.container, "TERM")
+        return True
+    assert view.lock_pid is not None
+    sup = [p for p in recorded_processes(view, created_at=created_at) if p.pid == view.lock_pid]
+    return bool(proc_tool(h.host, ["signal-one", "SIGTERM", _ids_json(sup)]).get("signalled"))
 
 
 @dataclass(kw_only=True, slots=True)
 class StopResult:
     graceful: bool
+    """Every host's supervisor got SIGTERM and the run ended `stopped` (a clean stop), unforced."""
     forced: bool
     seconds: float
+    state: str
+    """The run's state afterwards (control.status)."""
+    reason: str | None
+    signalled: list[str]
+    """Hosts whose supervisor got the SIGTERM."""
+    missed: list[str]
+    """Hosts whose job had ended, or never came up, before the stop could reach it."""
     left: dict[str, list[int]]
     """Per host, recorded pids still alive afterwards (empty: nothing of the run is left)."""
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graceful": self.graceful,
+            "forced": self.forced,
+            "seconds": round(self.seconds, 1),
+            "state": self.state,
+            "reason": self.reason,
+            "signalled": self.signalled,
+            "missed": self.missed,
+            "left": self.left,
+        }
 
-def stop(rec: RunRecord, *, force: bool = False, timeout: float = 240.0, progress=print) -> StopResult:  # type: ignore[no-untyped-def]
-    """Graceful: SIGTERM to each host's supervisor (the drafters agree on a step, checkpoint, exit),
-    then wait for the run-dir lock to drop. After timeout, or with force: SIGKILL to every recorded
-    process and its descendants."""
+
+def _quiet(_message: str) -> None:
+    """The default progress: library code does not print; commands pass their console."""
+
+
+def stop(
+    rec: RunRecord,
+    *,
+    force: bool = False,
+    timeout: float = 240.0,
+    progress: Callable[[str], None] = _quiet,
+) -> StopResult:
+    """Graceful: SIGTERM to each host's supervisor once it takes signals (a run still starting is
+    waited for, within timeout), then wait for the run-dir lock to drop (the drafters agree on a
+    step, checkpoint, exit). After timeout, or with force: SIGKILL to every recorded process and its
+    descendants, each checked against its start time first."""
     started = time.monotonic()
-    views = {h.node_rank: read_run(location(h)) for h in rec.hosts}
-    before = {h.node_rank: recorded_processes(views[h.node_rank]) for h in rec.hosts}
+    deadline = started + timeout
+    known: dict[int, dict[int, ProcId]] = {h.node_rank: {} for h in rec.hosts}
+
+    def look(h: HostRecord) -> RunView:
+        view = read_run(location(h))
+        found = recorded_processes(view, created_at=rec.created_at)
+        found += pane_processes(h, view, created_at=rec.created_at)
+        for p in found:
+            known[h.node_rank].setdefault(p.pid, p)
+        return view
+
+    name = {h.node_rank: h.host or "local" for h in rec.hosts}
+    signalled: list[str] = []
+    missed: list[str] = []
     forced = force
     if not force:
-        for h in rec.hosts:
-            view = views[h.node_rank]
-            if h.container:
-                docker_backend.signal(h.host, h.container, "TERM")
-            elif view.lock_pid:
-                remote.run(h.host, ["kill", "-TERM", str(view.lock_pid)], check=False)
-        progress(f"asked {rec.run_id} to stop (SIGTERM); waiting up to {timeout:.0f} s for its checkpoint")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            views = {h.node_rank: read_run(location(h)) for h in rec.hosts}
-            if not any(v.running for v in views.values()):
+        pending = {h.node_rank: h for h in rec.hosts}
+        waited = False
+        while pending:
+            for rank, h in list(pending.items()):
+                view = look(h)
+                if _takes_sigterm(view):
+                    (signalled if _terminate(h, view, rec.created_at) else missed).append(name[rank])
+                    del pending[rank]
+                elif not _may_still_start(rec, h, view):
+                    missed.append(name[rank])
+                    del pending[rank]
+            if not pending or time.monotonic() >= deadline:
+                break
+            if not waited:
+                progress(f"{rec.run_id} is still starting: waiting for its supervisor to take SIGTERM")
+                waited = True
+            time.sleep(1.0)
+        if signalled:
+            left_s = max(0.0, deadline - time.monotonic())
+            progress(f"asked {rec.run_id} to stop (SIGTERM); waiting up to {left_s:.0f} s for its checkpoint")
+        hosts = [h for h in rec.hosts if name[h.node_rank] in signalled]
+        while hosts and any(look(h).running for h in hosts):
+            if time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
         else:
+            hosts = []
+        if pending or hosts:
             forced = True
-            progress(f"still running after {timeout:.0f} s: killing every process of the run")
+            progress(f"not stopped after {timeout:.0f} s: killing every process of the run")
     if forced:
         for h in rec.hosts:
-            _kill_all(rec, h, views[h.node_rank])
+            look(h)
+            _kill_all(h, list(known[h.node_rank].values()))
     left: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 30
+    settle = time.monotonic() + 30
     for h in rec.hosts:
+        ids = list(known[h.node_rank].values())
         while True:
-            alive = [] if h.container else alive_pids(h.host, before[h.node_rank])
-            if not alive or time.monotonic() > deadline:
+            alive = [] if h.container else alive_pids(h.host, ids)
+            if not alive or time.monotonic() > settle:
                 break
             time.sleep(0.5)
         if h.container and docker_backend.state(h.host, h.container) == "running":
             alive = [-1]
         if alive:
-            left[h.host or "local"] = alive
-    return StopResult(graceful=not forced, forced=forced, seconds=time.monotonic() - started, left=left)
+            left[name[h.node_rank]] = alive
+    final = status(rec)
+    return StopResult(
+        graceful=not forced and not missed and final.state == "stopped",
+        forced=forced,
+        seconds=time.monotonic() - started,
+        state=final.state,
+        reason=final.reason,
+        signalled=signalled,
+        missed=missed,
+        left=left,
+    )
 
 
 def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, follow: bool) -> list[str]:
-    """argv that prints (and follows) a log of the run: the supervisor's by default, or a worker's."""
+    """argv that prints (and follows, until the run ends) a log of the run: the supervisor's by
+    default, or a worker's."""
     if worker in (None, "supervisor"):
         if h.container:
             return docker_backend.logs_argv(h.host, h.container, lines=lines, follow=follow)
@@ -186,7 +317,15 @@ def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, f
         if not all(c.isalnum() or c in "-_" for c in worker):
             raise RunnerError(f"--worker {worker!r}: give a name such as drafter-0, target-1 or data")
         rel = f"logs/{worker}.log"
-    return tail_argv(location(h), rel, lines=lines, follow=follow)
+    if not follow:
+        return tail_argv(location(h), rel, lines=lines, follow=False)
+    # Following ends with the run: tail watches the supervisor's pid. A run that has ended already
+    # writes nothing more, so its log is printed, not followed; one still starting is followed.
+    view = read_run(location(h), metrics_bytes=0, events_bytes=64 << 10)
+    if view.running:
+        return tail_argv(location(h), rel, lines=lines, follow=True, until_pid=view.lock_pid)
+    ended = view.last_lifecycle() is not None and view.state(started_at=rec.created_at) != "starting"
+    return tail_argv(location(h), rel, lines=lines, follow=not ended)
 
 
 def log_names(h: HostRecord) -> list[str]:

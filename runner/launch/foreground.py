@@ -16,7 +16,9 @@ from runner.launch.plan import SUPERVISOR_LOG, HostPlan, shell_line
 
 
 def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = None) -> int:
-    """Start every host's supervisor, stream their output, and return the worst exit code."""
+    """Start every host's supervisor, stream their output, and return the worst exit code. Called
+    from the main thread it ignores SIGINT (the job has it from the terminal) and forwards SIGTERM
+    to the job; from another thread it leaves the signals to the main thread."""
     procs: list[subprocess.Popen[bytes]] = []
     for hp in hosts:
         if hp.host is None:
@@ -52,20 +54,24 @@ def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = N
     ]
     for t in threads:
         t.start()
-    # The job gets Ctrl-C from the terminal itself (same process group); we only wait for it.
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    old_term = signal.signal(signal.SIGTERM, forward)
+    # Python sets signal handlers in the main thread only (elsewhere signal.signal raises). Off it,
+    # the caller's main thread owns the signals; the job still gets Ctrl-C from the terminal.
+    handle = threading.current_thread() is threading.main_thread()
+    # The job gets Ctrl-C from the terminal itself (same process group); we only wait for it.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if handle else None
+    old_term = signal.signal(signal.SIGTERM, forward) if handle else None
     try:
         codes = [p.wait() for p in procs]
         for t in threads:
             t.join(timeout=10)
     finally:
-        signal.signal(signal.SIGINT, old)
-        signal.signal(signal.SIGTERM, old_term)
+        if handle:
+            signal.signal(signal.SIGINT, old)
+            signal.signal(signal.SIGTERM, old_term)
     return max(codes, key=abs) if codes else 0

@@ -191,6 +191,18 @@ def cache_action(facts: HostFacts, store: Store, *, warm: bool, config_name: str
     return "warm" if warm else "none"
 
 
+def _runs_root_set(req: Request, facts: HostFacts) -> list[str]:
+    """--runs-root as the job check on this host must see it (the path build_plan gives the job), so
+    a runs root the host cannot write is refused here, not at the job's mkdir after launch. Not with
+    docker: the check runs in a container that has no mount of it yet, and the runs root there is
+    the host's directory, mounted at launch."""
+    if req.runs_root is None or req.backend == "docker":
+        return []
+    base = facts.cwd if facts.host is None and facts.cwd else facts.home  # as build_plan resolves it
+    root = req.runs_root if req.runs_root.startswith("/") else f"{base.rstrip('/')}/{req.runs_root}"
+    return [f"run.runs_root={root}"]
+
+
 def preflight(
     req: Request, *, run_id: str, name: str, store: Store, warn: Callable[[str], None]
 ) -> list[HostFacts]:
@@ -231,7 +243,7 @@ def preflight(
             else []
         )
         with _config_on_host(config, env) as cfg:
-            facts.check = job_check(env, cfg, sets, extra)
+            facts.check = job_check(env, cfg, [*sets, *_runs_root_set(req, facts)], extra)
             if not facts.check.get("ok"):
                 errors = facts.check.get("errors") or [{"key": "", "message": "the check failed"}]
                 lines = [f"  {e.get('key') or '(config)'}: {e.get('message')}" for e in errors]

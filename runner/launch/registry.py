@@ -90,17 +90,18 @@ class Registry:
         return sorted(out, key=lambda r: r.created_at)
 
     def find(self, ref: str) -> RunRecord:
-        """By run id, unique id prefix, or name (the newest run of that name)."""
+        """By run id, name (the newest run of that name), or unique id prefix: exact matches first,
+        so a run named like the start of another run's id is still found by its name."""
         runs = self.all()
         for r in runs:
             if r.run_id == ref:
                 return r
-        by_prefix = [r for r in runs if r.run_id.startswith(ref)]
-        if len(by_prefix) == 1:
-            return by_prefix[0]
         by_name = [r for r in runs if r.name == ref]
         if by_name:
             return by_name[-1]
+        by_prefix = [r for r in runs if r.run_id.startswith(ref)]
+        if len(by_prefix) == 1:
+            return by_prefix[0]
         if len(by_prefix) > 1:
             raise RunnerError(
                 f"{ref!r} matches {len(by_prefix)} runs ({', '.join(r.run_id for r in by_prefix[:5])}); "

@@ -13,6 +13,7 @@ from typing import Any
 
 from runner.errors import RunnerError
 from runner.exec import remote
+from runner.exec.proc import flock_holders
 
 RUN_FORMAT = 1
 """run.json `format` this reader understands; a newer one is refused with advice to upgrade."""
@@ -40,6 +41,7 @@ EVENTS_TAIL_BYTES = 512 << 10
 _SCRIPT = r"""
 M="$1"
 cd "$2" 2>/dev/null || { echo "$M missing"; exit 0; }
+echo "$M now"; date +%s
 echo "$M run.json"; cat run.json 2>/dev/null
 echo; echo "$M lock"; stat -c '%i %d' job.lock 2>/dev/null
 echo "$M locks"; cat /proc/locks 2>/dev/null
@@ -75,6 +77,9 @@ class RunView:
     events: list[dict[str, Any]] = field(default_factory=list)
     heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
     read_at: float = field(default_factory=time.time)
+    clock_offset: float = 0.0
+    """The reading host's clock minus this machine's (whole seconds): the job's times and the
+    kernel's process start times are on the host's clock, the registry's on this machine's."""
 
     @property
     def running(self) -> bool:
@@ -132,25 +137,15 @@ def parse_jsonl(text: str) -> list[dict[str, Any]]:
 
 
 def _lock_holder(stat_line: str, locks: str) -> int | None:
-    """The pid holding an flock on the file whose `stat -c '%i %d'` is stat_line, per /proc/locks
-    (`1: FLOCK  ADVISORY  WRITE <pid> <maj>:<min>:<inode> 0 EOF`, major/minor in hex). Reading it
-    takes no lock, so a reader can never make a starting job think its directory is in use."""
+    """The pid holding an flock on the file whose `stat -c '%i %d'` is stat_line, per the text of
+    /proc/locks (runner.exec.proc.flock_holders); None when nobody holds it or stat failed."""
     try:
         inode_s, dev_s = stat_line.split()
         inode, dev = int(inode_s), int(dev_s)
     except ValueError:
         return None
-    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{inode}"
-    for line in locks.splitlines():
-        parts = line.split()
-        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
-            continue  # "->" marks a waiter, not the holder
-        if parts[5] == want:
-            try:
-                return int(parts[4])
-            except ValueError:
-                return None
-    return None
+    holders = flock_holders(locks, dev, inode)
+    return holders[0] if holders else None
 
 
 def read_run(
@@ -196,9 +191,14 @@ def read_run(
                 heartbeats[base] = json.loads(text)
             except json.JSONDecodeError:
                 continue
+    try:
+        offset = float(int(sections.get("now", "").strip()) - int(time.time()))
+    except ValueError:
+        offset = 0.0
     return RunView(
         location=loc,
         exists=True,
+        clock_offset=offset,
         manifest=manifest,
         lock_pid=_lock_holder(sections.get("lock", "").strip(), sections.get("locks", "")),
         metrics=parse_jsonl(sections.get("metrics", "")),
@@ -217,8 +217,12 @@ def append_event(loc: RunLocation, event: str, **fields: Any) -> dict[str, Any]:
     return rec
 
 
-def tail_argv(loc: RunLocation, rel: str, *, lines: int, follow: bool) -> list[str]:
-    """argv (for this machine) that prints the last lines of a file in the run dir, and follows it."""
+def tail_argv(
+    loc: RunLocation, rel: str, *, lines: int, follow: bool, until_pid: int | None = None
+) -> list[str]:
+    """argv (for this machine) that prints the last lines of a file in the run dir, and follows it;
+    with until_pid (a pid on that host: the supervisor), following ends once that process has."""
     path = f"{loc.run_dir.rstrip('/')}/{rel}"
-    argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), "--", path]
+    until = [f"--pid={until_pid}"] if follow and until_pid else []
+    argv = ["tail", "-n", str(lines), *(["-F", *until] if follow else []), "--", path]
     return remote.remote_argv(loc.host, argv)

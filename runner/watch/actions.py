@@ -144,6 +144,8 @@ class Actor:
         self.clock = clock
         self.state = ActorState()
         self.done: list[dict[str, Any]] = []
+        """What the dashboard lists, oldest first: {t, event: action | recovered, action, subject,
+        detail, ok[, error, target_pid]}."""
 
     def report(self, snap: Snapshot, findings: Sequence[Finding]) -> None:
         """Append each finding once when it appears (again after it cleared), and recoveries."""
@@ -161,10 +163,12 @@ class Actor:
         drafters_ok = all(w.alive for w in snap.workers if w.role == "drafter")
         for name, (since, at_step) in list(self.state.awaiting_recovery.items()):
             if drafters_ok and step > at_step and ("dead_worker", name) not in keys:
-                self.log_event(
-                    "recovered", source="watch", subject=name, after_s=round(now - since, 1), step=step,
-                    detail=f"the drafter group is training again (step {step}, was {at_step}) {now - since:.0f} s later",
-                )  # fmt: skip
+                detail = f"the drafter group is training again (step {step}, was {at_step}) {now - since:.0f} s later"
+                self.log_event("recovered", source="watch", subject=name, after_s=round(now - since, 1),
+                               step=step, detail=detail)  # fmt: skip
+                # Shown beside the actions: the recovery is what the kill was for.
+                self.done.append({"t": now, "event": "recovered", "action": "recovered", "subject": name,
+                                  "detail": detail, "ok": True})  # fmt: skip
                 del self.state.awaiting_recovery[name]
 
     def act(self, snap: Snapshot, findings: Sequence[Finding]) -> list[Action]:
@@ -201,7 +205,7 @@ class Actor:
             if error:
                 rec["error"] = error
             self.log_event("action", source="watch", **rec)
-            self.done.append({"t": now, **rec})
+            self.done.append({"t": now, "event": "action", **rec})
         return actions
 
 

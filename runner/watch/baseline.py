@@ -123,9 +123,11 @@ def update_from_healthy_run(
     warmup_s: float = 300.0,
     min_records: int = 5,
 ) -> Baseline | None:
-    """Fold a run the caller judged healthy (no warning or critical findings) into its baseline;
-    None when the run has too few steady records to say anything. A run already recorded is
-    replaced, so updating twice from one run counts it once."""
+    """Fold a run the caller judged healthy into its baseline (watch's rule, WatchSession.
+    record_baseline: the run completed and had no critical finding after warm-up; warnings do not
+    disqualify it). `metrics` are distinct records, each once. None when fewer than `min_records`
+    of them are past `warmup_s` with a tok/s. A run already recorded is replaced, so updating twice
+    from one run counts it once."""
     steady = steady_tok_s(metrics, warmup_s=warmup_s)
     if steady is None or steady[1] < min_records:
         return None

@@ -4,6 +4,7 @@ the dashboard printed whenever the findings or actions change, and every 30 s (a
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,15 +28,28 @@ def view(session: WatchSession) -> Group:
             title += "  (read-only: another watch acts on this run)"
         parts += [Rule(title), render_dashboard(hw.snap, hw.findings, stale_s=session.thresholds.stale_s)]
         for a in hw.actor.done[-3:]:
-            parts.append(f"action {time.strftime('%H:%M:%S', time.localtime(a['t']))} {a['action']} "
-                         f"{a['subject']}: {a['detail']}" + ("" if a["ok"] else f" FAILED: {a.get('error')}"))  # fmt: skip
+            parts.append(done_line(a))
     return Group(*parts)
 
 
+def done_line(a: dict[str, Any]) -> str:
+    """One line of what watch did (an action) or saw come right (a recovery), for the dashboard."""
+    when = time.strftime("%H:%M:%S", time.localtime(a["t"]))
+    if a.get("event") == "recovered":
+        return f"recovered {when} {a['subject']}: {a['detail']}"
+    failed = "" if a["ok"] else f" FAILED: {a.get('error')}"
+    return f"action {when} {a['action']} {a['subject']}: {a['detail']}{failed}"
+
+
 def run_live(
-    session: WatchSession, exporter: Any = None, *, on_tick: Callable[[], None] | None = None
+    session: WatchSession,
+    exporter: Any = None,
+    *,
+    on_tick: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Refresh until the run finished for good (or Ctrl-C); the exit code of the last findings."""
+    """Refresh until the run finished for good (or Ctrl-C, or `stop` is set: a caller running this
+    in a thread); the exit code of the last findings."""
     tty = sys.stdout.isatty()
     screen: _LiveAdapter | _Plain = (
         _LiveAdapter(Live(console=console, auto_refresh=False)) if tty else _Plain()
@@ -52,7 +66,7 @@ def run_live(
                 live.update(lambda: view(session), changed=changed)
                 if on_tick is not None:
                     on_tick()
-                if session.finished():
+                if session.finished() or (stop is not None and stop.is_set()):
                     break
         except KeyboardInterrupt:
             pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,18 @@ class WatchSession:
                 hw.critical_after_warmup = True
         return self.hosts
 
+    def wait_running(self, stop: threading.Event) -> bool:
+        """Until the job holds job.lock on every host (a foreground job starts after its watch):
+        True, or False once `stop` is set. Samples are read, not judged, reported or acted on."""
+        while not stop.is_set():
+            running = 0
+            for hw in self.hosts:
+                snap, _ = hw.watcher.refresh(timeout=0.5)
+                running += snap.job.get("lock_held") is True
+            if running == len(self.hosts):
+                return True
+        return False
+
     def finished(self) -> bool:
         """The job stopped on every host for good: completed, or stopped by a signal (a user's
         `dflashctl stop`), with no relaunch pending."""
@@ -114,8 +127,10 @@ class WatchSession:
         return max((exit_code(hw.findings) for hw in self.hosts), default=0)
 
     def record_baseline(self) -> list[Any]:
-        """A run that completed without critical findings after warm-up sets the baseline tok/s for
-        its fingerprint and config (what `degraded kernels` compares later runs against)."""
+        """A run that completed, watched by the acting watch, without critical findings after
+        warm-up, sets the baseline tok/s for its fingerprint and config (what `degraded kernels`
+        compares later runs against) from the distinct metrics records watch saw (the newest
+        History.max_metrics of them)."""
         out = []
         for hw in self.hosts:
             latest = hw.watcher.history.latest
@@ -126,8 +141,11 @@ class WatchSession:
             key = key_of(hw.watcher.history.manifest)
             if key is None:
                 continue
-            metrics = [dict(m) for s in hw.watcher.history.snapshots for m in s.metrics]
-            b = update_from_healthy_run(baselines_dir(), key[0], key[1], metrics, run_id=self.rec.run_id)
+            # The history's own records, each once: every snapshot carries a copy of all records so
+            # far, so reading them through the snapshots would count one record once per refresh.
+            metrics = [dict(m) for m in hw.watcher.history.metrics]
+            b = update_from_healthy_run(baselines_dir(), key[0], key[1], metrics, run_id=self.rec.run_id,
+                                        warmup_s=self.thresholds.warmup_s)  # fmt: skip
             if b is not None:
                 out.append(b)
         return out

@@ -107,3 +107,41 @@ def test_a_mostly_bad_data_file_is_refused_by_the_job(tmp_path):
     out = _run("dflash.train", "--run-dir", str(tmp_path / "r"), "--set", f"data.path={data}", runs=tmp_path)
     _refused(out, str(data), "9 of its 10 records are bad", "data.max_bad_fraction")
     assert "9 of its 10 records are bad" in (tmp_path / "r" / "logs" / "data.log").read_text()
+
+
+BAD_ENDPOINTS = {
+    "-oProxyCommand=x:29500": "starts with '-'",
+    "gpu0:99999": "port '99999' is not a number in 1..65535",
+    "gpu0:0": "port '0' is not a number in 1..65535",
+    "gpu0": "no :PORT",
+    "gpu0:": "port '' is not",
+    ":29500": "no HOST",
+    "10.0.0.300:29500": "not an IPv4 address",
+    "fd00::1:29500": "write an IPv6 address in brackets",
+    "[fd00::zz]:29500": "is not an IPv6 address",
+    "gpu0;touch x:29500": "is not a hostname",
+}
+
+
+@pytest.mark.parametrize("endpoint", list(BAD_ENDPOINTS))
+def test_bad_rendezvous_endpoints_are_refused_by_the_check(tmp_path, endpoint):
+    """From the config key and from --rdzv-endpoint at once: one error for each, naming its source."""
+    sets = ["--set", f"pipeline.rdzv_endpoint={endpoint!r}", "--set", "train.keep_last=2"]
+    out = _run("dflash.check", *sets, "--nnodes", "2", f"--rdzv-endpoint={endpoint}", runs=tmp_path / "r")
+    assert "Traceback" not in out.stderr and out.returncode == 2, (out.stdout, out.stderr)
+    errors = [ln for ln in out.stdout.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2, out.stdout
+    for line, named in zip(errors, ("--rdzv-endpoint", "pipeline.rdzv_endpoint"), strict=True):
+        assert f"{named} {endpoint!r} is not HOST:PORT" in line, line
+        assert BAD_ENDPOINTS[endpoint] in line and "e.g. 10.0.0.1:29400" in line, line
+
+
+def test_bad_rendezvous_endpoint_is_refused_before_the_job_starts(tmp_path):
+    out = _run(
+        "dflash.launch",
+        *("--run-dir", str(tmp_path / "r"), "--nnodes", "2", "--set", "train.keep_last=2"),
+        "--rdzv-endpoint=-oProxyCommand=x:29500",
+        runs=tmp_path,
+    )
+    _refused(out, "--rdzv-endpoint '-oProxyCommand=x:29500' is not HOST:PORT", "starts with '-'")
+    assert not (tmp_path / "r").exists(), "refused before the run directory was created"

@@ -63,3 +63,12 @@ def test_json_plan_through_the_real_cli_and_its_errors(capsys):
     assert len(json.loads(out.stdout.strip().splitlines()[-1])["hosts"]) == 2
     assert main([DEMO, "--json"]) == 2, "--json alone is no plan (and starts nothing)"
     assert "--json goes with --plan" in capsys.readouterr().err
+
+
+def test_good_rendezvous_endpoints_pass(capsys):
+    from dflash.launch import endpoint_problem
+
+    for endpoint in ("10.0.0.1:29400", "gpu0:1", "gpu-0.cluster_a.local:65535", "[fd00::1]:29400", "[::1]:2"):
+        assert endpoint_problem(endpoint) is None, endpoint
+    plan = json.loads(_plan(capsys, "--nnodes", "2", "--rdzv-endpoint", "[fd00::1]:29400", "--json"))
+    assert plan["rdzv_endpoint"] == "[fd00::1]:29400"

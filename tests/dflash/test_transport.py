@@ -35,6 +35,9 @@ from dflash.pipeline.transport import (
     slot_bytes_for,
 )
 
+# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("transport")
+
 JOIN_S = 20
 
 

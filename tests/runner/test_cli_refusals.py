@@ -117,12 +117,18 @@ def test_run_directory_that_is_a_file(tmp_path: Path) -> None:
     assert a_file.read_text() == "" and cli.ps() == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any mode bits")
 def test_run_directory_that_is_read_only(tmp_path: Path) -> None:
+    """Paths no user can write, root included (CI runs as root, who writes through mode bits)."""
     cli = Cli(tmp_path)
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    _refused(cli, "run", DEMO, "--runs-root", str(ro / "runs"), want="is not writable by you")
+    for runs_root in ("/sys/kernel/dflash-runs", "/proc/dflash-runs/deeper"):
+        for extra in ([], ["--dry-run"]):
+            _refused(cli, "run", DEMO, "--runs-root", runs_root, *extra, want="is not writable by this user")
+    if os.geteuid() != 0:  # mode bits stop everyone else
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        _refused(cli, "run", DEMO, "--runs-root", str(ro / "runs"), want="is not writable by this user")
+    _refused(cli, "run", DEMO, "--runs-root", str(tmp_path / ("r" * 300)), want="longer than the 255")
+    assert cli.ps() == []
 
 
 def test_bad_arguments_and_config_files(tmp_path: Path) -> None:

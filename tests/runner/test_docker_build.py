@@ -20,7 +20,8 @@ from runner.envs import load_variant
 from runner.lock import expected_packages, read_lock
 
 CLI = [sys.executable, "-m", "runner.cli"]
-pytestmark = pytest.mark.docker
+# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
+pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker-build")]
 
 
 def _ca_args() -> list[str]:

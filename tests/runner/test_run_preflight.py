@@ -132,3 +132,41 @@ def test_dry_run_starts_nothing(tmp_path: Path) -> None:
     assert plan["hosts"][0]["argv"][:3] == [sys.executable, "-m", "dflash.launch"]
     assert "no compile-cache artifact" in out.stderr
     _nothing_left(cli, tmp_path)
+
+
+def _path_without(tmp_path: Path, missing: str) -> str:
+    """A PATH holding every program of the current PATH except `missing`."""
+    bin_dir = tmp_path / f"bin-without-{missing}"
+    bin_dir.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        for p in Path(d).glob("*") if Path(d).is_dir() else []:
+            if p.name != missing and not (bin_dir / p.name).exists() and os.access(p, os.X_OK):
+                os.symlink(p, bin_dir / p.name)
+    return str(bin_dir)
+
+
+def test_missing_docker_cli_is_named(tmp_path: Path) -> None:
+    cli = Cli(tmp_path, PATH=_path_without(tmp_path, "docker"))
+    out = cli(
+        "run", DEMO, "--backend", "docker", "--image", "dflash:cu130", "--name", "bad",
+        "--runs-root", str(cli.runs), check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "the docker CLI is not installed on this machine" in out.stderr, out.stderr
+    _nothing_left(cli, tmp_path)
+
+
+@pytest.mark.ssh
+def test_ssh_login_refused_for_a_wrong_key(tmp_path: Path, sshd_server) -> None:  # type: ignore[no-untyped-def]
+    """The test sshd accepts only its own client key: another key is a failed login, named."""
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    opts = sshd_server.opts.replace(sshd_server.key, str(other)) + " -o IdentitiesOnly=yes"
+    cli = Cli(tmp_path, DFLASH_SSH_OPTS=opts, SSH_AUTH_SOCK="")
+    out = cli(
+        "run", DEMO, "--host", sshd_server.host, "--name", "bad", "--runs-root", str(cli.runs), check=False
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"cannot log in to {sshd_server.host} over ssh" in out.stderr, out.stderr
+    assert "Permission denied" in out.stderr and "your key" in out.stderr, out.stderr
+    _nothing_left(cli, tmp_path)

@@ -76,3 +76,23 @@ def test_force_stop_kills_every_recorded_process(tmp_path: Path) -> None:
     assert result["forced"] and not result["graceful"]
     assert [p for p in pids if alive(p)] == []
     assert cli.ps()[0]["state"] == "stale", "killed hard: no final event, no process"
+
+
+def test_stop_right_after_run_reaches_the_starting_job(tmp_path: Path) -> None:
+    """`stop` in the startup window: the supervisor may not hold job.lock yet, or hold it before
+    its SIGTERM handler is installed. The stop waits until it takes the signal, and says graceful
+    only when the run ended `stopped`."""
+    cli = Cli(tmp_path)
+    out = cli(
+        "run", DEMO, "--backend", "tmux", "--runs-root", str(cli.runs), "--name", "early", *LONG, "--json"
+    )
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    run_dir = Path(plan["hosts"][0]["run_dir"])
+    session = plan["hosts"][0]["tmux_session"]
+    result = json.loads(cli("stop", "early", "--json", timeout=400).stdout)
+    assert result["signalled"] == ["local"] and result["missed"] == [], result
+    assert result["graceful"] and not result["forced"] and result["state"] == "stopped", result
+    assert events(run_dir, "stopped")[-1]["reason"] == "signal SIGTERM"
+    assert [p for p in recorded_pids(run_dir) if alive(p)] == [], "stop left processes of the run behind"
+    assert subprocess.run(["tmux", "has-session", "-t", f"={session}"], capture_output=True).returncode != 0
+    assert cli.ps()[0]["state"] == "stopped"

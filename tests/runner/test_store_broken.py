@@ -16,7 +16,7 @@ import pytest
 from cache_helpers import fingerprint, make_artifact
 from typer.testing import CliRunner
 
-from runner.cache.errors import ArtifactExistsError, BrokenArtifactError, StoreInputError
+from runner.cache.errors import ArtifactError, ArtifactExistsError, BrokenArtifactError, StoreInputError
 from runner.cache.leftovers import GRACE_S, sweep_restore_temps, sweep_store
 from runner.cache.manifest import MANIFEST_NAME
 from runner.cache.restore import previous_copies, restore
@@ -302,3 +302,16 @@ def test_install_without_replace_keeps_the_local_artifact(store: Store, tmp_path
         with pytest.raises(ArtifactExistsError, match="--force"):
             store.install(stage / "x", art.key, replace=False)
     assert (art.path / MANIFEST_NAME).read_bytes() == before
+
+
+@pytest.mark.parametrize("fmt", [True, 1.0, "1"], ids=["bool", "float", "string"])
+def test_manifest_format_must_be_the_integer(store: Store, tmp_path: Path, fmt: object) -> None:
+    """`True == 1 == 1.0` in Python: a format that only compares equal to 1 is not format 1."""
+    art = make_artifact(store, tmp_path, tag="f")
+    data = json.loads((art.path / MANIFEST_NAME).read_text())
+    data["format"] = fmt
+    (art.path / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="artifact format"):
+        store.get(art.key)
+    code, out = _cli("cache", "show", art.key, "--store", str(store.root))
+    assert code != 0 and "artifact format" in out and "Traceback" not in out, out

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
+import time
 from pathlib import Path
 
 import pytest
+from test_watch_fakes import append_jsonl
+
+from runner.launch.registry import HostRecord, RunRecord
 
 from runner.watch.baseline import (
     KEEP_RUNS,
@@ -17,6 +22,7 @@ from runner.watch.baseline import (
     steady_tok_s,
     update_from_healthy_run,
 )
+from runner.watch.session import WatchSession, baselines_dir
 
 KEY = "f" * 64
 CONFIG = {
@@ -90,3 +96,54 @@ def test_lookup_from_run_json_and_damaged_files(tmp_path: Path) -> None:
     assert for_manifest(tmp_path, manifest) is None and list_baselines(tmp_path) == []
     with pytest.raises(ValueError):
         load(tmp_path, "../etc", "x")
+
+
+def completed_run(run: Path, steady: list[float]) -> None:
+    """A run directory whose job completed (no job.lock holder, a `stopped: completed` event), with
+    a warm-up record and one steady record per value of `steady`."""
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run.name, "cache_artifact": KEY, "config": CONFIG}))
+    t0 = time.time() - 1000
+    append_jsonl(run / "metrics.jsonl", {"t": t0, "elapsed_s": 30.0, "step": 1, "tok_s": 100.0})
+    append_jsonl(run / "metrics.jsonl", *({"t": t0 + 400 + i, "elapsed_s": 400.0 + i, "step": 10 + i,
+                 "tok_s": v} for i, v in enumerate(steady)))  # fmt: skip
+    append_jsonl(run / "events.jsonl", {"t": t0 + 500, "event": "stopped", "reason": "completed"})
+
+
+def watch_session(run: Path, tmp: Path, refreshes: int) -> WatchSession:
+    """A real WatchSession on `run` (its sampler a subprocess at 0.05 s, fake NVML with no GPU),
+    refreshed until `refreshes` snapshots arrived: each snapshot carries every record seen so far."""
+    spec = tmp / "nvml.json"
+    spec.write_text(json.dumps({"gpus": []}))
+    rec = RunRecord(run_id=run.name, name=run.name, backend="unknown", created_at=0.0, config="",
+                    hosts=[HostRecord(node_rank=0, host=None, run_dir=str(run))])  # fmt: skip
+    session = WatchSession(rec, interval_s=0.05, fake_nvml=str(spec))
+    deadline = time.monotonic() + 20
+    while len(session.hosts[0].watcher.history.snapshots) < refreshes and time.monotonic() < deadline:
+        session.refresh(timeout=1.0)
+    assert len(session.hosts[0].watcher.history.snapshots) >= refreshes and session.hosts[0].acting
+    return session
+
+
+def test_record_baseline_counts_each_record_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_CACHE_STORE", str(tmp_path / "store"))
+    one = tmp_path / "runs" / "one-record"
+    completed_run(one, [20000.0])
+    session = watch_session(one, tmp_path, refreshes=8)
+    try:
+        assert session.finished()
+        # One steady record seen in 8 snapshots is still one record: too few for a baseline.
+        assert session.record_baseline() == []
+        assert list_baselines(baselines_dir()) == []
+    finally:
+        session.close()
+
+    five = tmp_path / "runs" / "five-records"
+    completed_run(five, [20000.0, 20100.0, 20200.0, 20300.0, 20400.0])
+    session = watch_session(five, tmp_path, refreshes=8)
+    try:
+        (b,) = session.record_baseline()
+    finally:
+        session.close()
+    assert b.tok_s == 20200.0 and b.runs == [{**b.runs[0], "run_id": "five-records", "records": 5}]
+    assert [x.tok_s for x in list_baselines(baselines_dir())] == [20200.0]

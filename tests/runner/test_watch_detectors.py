@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -365,3 +367,11 @@ def test_thresholds_from_a_watch_table() -> None:
     # A tighter threshold makes a quiet reading fire.
     s = with_worker(sample(), "drafter-0", age_s=4.0, proc_state="running")
     assert run(s) == [] and kinds(run(s, th=th)) == [("critical", "hung_worker", "drafter-0")]
+
+
+def test_docs_list_every_threshold_with_its_default() -> None:
+    """docs/watch.md's threshold table is the code's: every field of Thresholds, with its default."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "watch.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([0-9.]+) \|", doc, flags=re.M)
+    assert {k: float(v) for k, v in rows} == {k: float(v) for k, v in Thresholds().to_table().items()}
+    assert len(rows) == len(Thresholds().to_table()), "each threshold listed once"

@@ -11,7 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_watch_fakes import add_proc, append_jsonl, hold_lock, manifest, proc_root, write_heartbeat
+from test_watch_fakes import (
+    add_proc,
+    append_jsonl,
+    hold_lock,
+    manifest,
+    own_start_time,
+    proc_root,
+    write_heartbeat,
+)
 
 from runner.watch.bundle import bundle_source, sampler_argv
 from runner.watch.fakenvml import FakeGPU, FakeNVML
@@ -175,3 +183,37 @@ def test_module_entry_point_prints_a_line_per_interval(tmp_path: Path) -> None:
         proc.wait()
     gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
     assert all(0.1 < g < 1.0 for g in gaps), gaps
+
+
+def test_keep_writes_compact_samples_only_while_holding_the_watch_lock(tmp_path: Path) -> None:
+    """--keep: the sampler holding <run>/watch/lock appends one compact GPU and worker record per
+    line to watch/samples.jsonl (what `report` plots); a second sampler on the run writes nothing."""
+    run = tmp_path / "run"
+    write_heartbeat(run, "drafter-0", device="cuda:0", step=7, started_at=own_start_time())
+    fake = FakeNVML([FakeGPU(mem_used_mb=5000, util_gpu=88, temp_c=61, procs=[[os.getpid(), 4000.0]])])
+    keeper = SamplerState(run, nvml=NVML(fake), host="gpu-host")
+    keeper.keep = True
+    reader = SamplerState(run, nvml=NVML(fake), host="gpu-host")
+    reader.keep = True
+    off = SamplerState(run, nvml=NVML(fake), host="gpu-host")  # no --keep (watch --once)
+    try:
+        assert sample_once(keeper)["watch_lock"] == "held"
+        assert sample_once(reader)["watch_lock"] == "other"
+        assert sample_once(off)["watch_lock"] == "off"
+        s = sample_once(keeper)
+        kept = [json.loads(line) for line in (run / "watch" / "samples.jsonl").read_text().splitlines()]
+        assert len(kept) == 2 and kept[1]["t"] == s["t"] and kept[1]["host"] == "gpu-host"
+        assert kept[1]["gpus"] == [{"index": 0, "util_gpu": 88, "mem_used_mb": 5000.0, "mem_total_mb": 143771.0,
+                                    "temp_c": 61, "power_w": 80.0, "throttle": []}]  # fmt: skip
+        assert kept[1]["workers"] == {
+            "drafter-0": {"state": "computing", "step": 7, "alive": True, "gpu_index": 0}
+        }
+        assert (run / "watch" / "lock").read_text().strip() == str(os.getpid())
+        # A full disk (here: watch/ replaced by a file) must not stop the monitor.
+        (run / "watch" / "samples.jsonl").unlink()
+        (run / "watch" / "samples.jsonl").mkdir()
+        assert sample_once(keeper)["watch_lock"] == "held"
+    finally:
+        for st in (keeper, reader):
+            if st._lock_fd is not None:
+                os.close(st._lock_fd)
