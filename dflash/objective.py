@@ -85,9 +85,9 @@ class LossOutput:
     loss: torch.Tensor
     """Weighted mean cross-entropy (scalar, differentiable)."""
     hits_K: torch.Tensor
-    """Top-1 hits per block position 1..K-1, on the device."""
+    """Top-1 hits per block position (0..K-1; position 0 is never trained), on the device."""
     counts_K: torch.Tensor
-    """Trained positions per block position 1..K-1, on the device."""
+    """Trained positions per block position, on the device."""
     _host: tuple[list[float], list[float]] | None = None
 
     def _read(self) -> tuple[list[float], list[float]]:
@@ -102,7 +102,7 @@ class LossOutput:
     def acc_per_pos(self) -> list[float]:
         """Top-1 accuracy per block position 1..K-1 (nan where no position was trained)."""
         hits, counts = self._read()
-        return [h / c if c > 0 else math.nan for h, c in zip(hits, counts, strict=True)]
+        return [h / c if c > 0 else math.nan for h, c in zip(hits[1:], counts[1:], strict=True)]
 
     @property
     def acc(self) -> float:
@@ -249,6 +249,37 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+class HostCount:
+    """A count on the device, copied to the host without waiting for anything queued after it.
+
+    The trainer counts the batch's trained block positions from the labels, before it queues the
+    forward; the copy is queued right behind that count. The loss reads it after the forward is
+    queued: by then the device has long done the copy (it runs in queue order, ahead of the forward),
+    so the read waits for nothing. Reading the count where the loss needs it, as `nonzero` did, waits
+    for the whole forward: the GPU then idles while the host queues the rest of the step (13 ms of
+    host gaps in the 8B step on the H200, docs/BENCHMARKS.md)."""
+
+    def __init__(self, count: torch.Tensor) -> None:
+        self._event: Any = None
+        if count.device.type == "cuda":
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._host.copy_(count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = count
+
+    def get(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host)
+
+
+def trained_count(valid_BAK: torch.Tensor) -> HostCount:
+    """The batch's trained block positions, on its way to the host (see HostCount)."""
+    return HostCount(valid_BAK.sum())
+
+
 def dflash_loss(
     hidden_BAKH: torch.Tensor,
     head_weight_VH: torch.Tensor,
@@ -258,38 +289,43 @@ def dflash_loss(
     chunk_tokens: int = 8192,
     *,
     fused: bool = False,
+    trained: HostCount | None = None,
 ) -> LossOutput:
     """Weighted cross-entropy over trained block positions through the frozen head, in chunks of
     `chunk_tokens` with the gradient taken in the forward pass (see _HeadCrossEntropy). fused=True
     runs each chunk's softmax, loss, accuracy and gradient as one compiled function (train.fused_loss).
 
-    Every block position 1..K-1 is a row (position 0, the anchor itself, is never trained: block_labels
-    never marks it), untrained ones weighted 0. The rows are fixed by the batch's shape, not by its
-    data, so nothing here waits for the device: compacting to the trained rows needs their count on
-    the host, a sync in the middle of the step (on the H200 the 8B step's host gaps were 13 ms,
-    docs/BENCHMARKS.md). Accuracy stays on the device until LossOutput is read."""
+    Only the trained positions go through the head: their indices are the valid ones, ascending, and
+    their count comes from `trained` (trained_count(valid_BAK), started before the forward: then
+    nothing here waits for the device; without it the count is read here, after the forward).
+    Accuracy stays on the device until LossOutput is read."""
     B, A, K, H = hidden_BAKH.shape
-    w_K = position_weights(K, gamma, hidden_BAKH.device)[1:]
-    valid_RK = valid_BAK[:, :, 1:].reshape(B * A, K - 1)
-    weights_N = (valid_RK * w_K).reshape(-1)
-    hidden_NH = hidden_BAKH[:, :, 1:].reshape(-1, H)
-    labels_N = labels_BAK[:, :, 1:].reshape(-1)
-    n = hidden_NH.shape[0]
+    dev = hidden_BAKH.device
+    w_K = position_weights(K, gamma, dev)
+    n = (trained or trained_count(valid_BAK)).get()
+    valid_N = valid_BAK.reshape(-1)
+    # The valid indices in ascending order, as nonzero gives them, with their count known: a stable
+    # sort puts the valid rows first.
+    sel = torch.argsort((~valid_N).to(torch.int8), stable=True)[:n]
+    k_N = sel % K
+    weights_N = w_K[k_N]
     if fused:
         # Chunks of whole multiples too, so the last one is never 0 or 1 rows either.
         chunk_tokens = max(LOSS_ROW_MULTIPLE, chunk_tokens // LOSS_ROW_MULTIPLE * LOSS_ROW_MULTIPLE)
-        pad = -n % LOSS_ROW_MULTIPLE
-        if pad:  # padding rows: token 0, weight 0, so their gradient is exactly zero
-            hidden_NH = torch.cat([hidden_NH, hidden_NH.new_zeros(pad, H)])
-            labels_N = torch.cat([labels_N, labels_N.new_zeros(pad)])
-            weights_N = torch.cat([weights_N, weights_N.new_zeros(pad)])
+    if fused and n % LOSS_ROW_MULTIPLE:
+        # Padding rows repeat token 0 with weight 0: their gradient is exactly zero.
+        pad = LOSS_ROW_MULTIPLE - n % LOSS_ROW_MULTIPLE
+        sel = torch.cat([sel, sel.new_zeros(pad)])
+        weights_N = torch.cat([weights_N, weights_N.new_zeros(pad)])
+    hidden_NH = hidden_BAKH.reshape(-1, H).index_select(0, sel)
+    labels_N = labels_BAK.reshape(-1).index_select(0, sel)
     total, correct_N = _HeadCrossEntropy.apply(
         hidden_NH, head_weight_VH, labels_N, weights_N, chunk_tokens, fused
     )
     loss = total / weights_N.sum().clamp_min(1e-6)
     with torch.no_grad():
-        hits_K = (correct_N[:n].view(B * A, K - 1) & valid_RK).sum(0)
-        counts_K = valid_RK.sum(0)
+        hits_K = torch.zeros(K, device=dev).index_add_(0, k_N, correct_N[:n].float())
+        counts_K = torch.zeros(K, device=dev).index_add_(0, k_N, torch.ones(n, device=dev))
     return LossOutput(loss=loss, hits_K=hits_K, counts_K=counts_K)
 
 

@@ -20,7 +20,14 @@ from torch.profiler import record_function
 from dflash.config import JobConfig
 from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
-from dflash.objective import LossOutput, block_labels, dflash_loss, expected_streak, sample_anchors
+from dflash.objective import (
+    LossOutput,
+    block_labels,
+    dflash_loss,
+    expected_streak,
+    sample_anchors,
+    trained_count,
+)
 from dflash.resolve import resolve_backend, resolve_fused_loss
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
@@ -228,6 +235,7 @@ class DrafterTrainer:
         labels_BAK, valid_BAK = block_labels(
             input_ids_BL, loss_mask_BL, seq_lens_B, anchors_BA, self.spec.block_size
         )
+        trained = trained_count(valid_BAK)  # on its way to the host before the forward is queued
         noise = noise_std(self.step, self.cfg)
         self.module.train()
         # Named ranges for torch.profiler (bench/drafter_step.py --profile splits the step by them).
@@ -245,6 +253,7 @@ class DrafterTrainer:
                     self.cfg.train.gamma,
                     self.cfg.train.loss_chunk_tokens,
                     fused=self.fused_loss,
+                    trained=trained,
                 )
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("dflash.backward"):

@@ -193,3 +193,28 @@ def test_fused_loss_on_gpu_matches_the_float64_reference_within_bf16_tolerance()
         assert abs(out.loss.item() - ref.item()) < 2e-2 * ref.item(), fused
         err = (hidden.grad.double() - ref_hidden.grad).norm() / ref_hidden.grad.norm()
         assert err < 2e-2, f"fused={fused}: relative gradient error {err:.2e}"
+
+
+def test_trained_count_started_early_gives_the_same_loss_and_metrics():
+    """The trainer counts the trained positions before the forward (trained_count) and hands the count
+    to the loss, which then never reads the device mid-step; without it the loss counts itself."""
+    from dflash.objective import trained_count
+
+    torch.manual_seed(5)
+    B, A, K, H, V = 2, 6, 5, 8, 13
+    labels = torch.randint(0, V, (B, A, K))
+    valid = torch.rand(B, A, K) > 0.4
+    valid[..., 0] = False
+    head = torch.randn(V, H, dtype=torch.float64)
+    h0 = torch.randn(B, A, K, H, dtype=torch.float64)
+    early = trained_count(valid)
+    assert early.get() == int(valid.sum())
+    outs = []
+    for trained in (early, None):
+        hidden = h0.clone().requires_grad_()
+        out = dflash_loss(hidden, head, labels, valid, 7.0, 4, trained=trained)
+        out.loss.backward()
+        outs.append((out, hidden.grad))
+    (a, ga), (b, gb) = outs
+    assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
+    assert a.tokens == b.tokens == int(valid.sum()) and a.acc_per_pos == b.acc_per_pos
