@@ -380,6 +380,17 @@ class DFlashDrafter(nn.Module):
         B, S = input_ids_BS.shape
         A, K = anchors_BA.shape[1], self.spec.block_size
         autocast = torch.is_autocast_enabled(target_hidden_BSF.device.type)
+        # The attention plans first: they depend on the anchors alone, and the sdpa backend reads its
+        # slice bounds back to the host, which here waits only for the anchors, not for the fc.
+        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
+        plans = self.backend.prepare(
+            anchors_BA,
+            seq_lens_B,
+            context_len=S,
+            block_size=K,
+            windows=windows,
+            sliding_causal=self.spec.sliding_block_causal,
+        )
         # Without autocast, compute in the parameters' dtype; under it, autocast picks (no fp32 copies).
         ctx_BSH = self.outer_norm(
             self.hidden_norm,
@@ -395,15 +406,6 @@ class DFlashDrafter(nn.Module):
         rope_kv = self.rotary_emb(h_BQH, pos_BL)
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
 
-        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
-        plans = self.backend.prepare(
-            anchors_BA,
-            seq_lens_B,
-            context_len=S,
-            block_size=K,
-            windows=windows,
-            sliding_causal=self.spec.sliding_block_causal,
-        )
         for layer, window in zip(self.layers, windows, strict=True):
             h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
         return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
