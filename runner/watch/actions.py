@@ -10,10 +10,13 @@
   target death) is relaunched through its backend: same run directory, so it resumes from the
   newest checkpoint.
 - Targets are never touched unless asked (--restart-targets). Kills and relaunches are capped per
-  time window. Only the watch holding the run's watch lock acts (the sampler holds it on the host).
-  Every finding and every action is appended to events.jsonl with source `watch`.
+  time window (--max-restarts per --restart-window: Policy.max_actions, Policy.window_s). Only the
+  watch holding the run's watch lock acts (the sampler holds it on the host). Every finding, every
+  action and every recovery is appended to events.jsonl with source `watch`; actions and
+  recoveries are also kept in Actor.done for the dashboard.
 
-Planning is pure (`plan_actions`): tests drive it with snapshots; `Actor` applies the plan.
+Planning is pure (`plan_actions`): tests drive it with snapshots (tests/runner/test_watch_actions.py);
+`Actor` applies the plan.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from runner.errors import RunnerError
 from runner.launch.registry import HostRecord, RunRecord
 from runner.watch.actions import Action, Actor, ActorState, Policy, plan_actions
 from runner.watch.detectors import detect
-from runner.watch.live import view
+from runner.watch.live import done_line, view
 from runner.watch.session import WatchSession
 from runner.watch.snapshot import History, Snapshot
 
@@ -163,6 +163,7 @@ def test_findings_reported_once_and_the_recovery_shown() -> None:
     assert (
         shown["event"] == "recovered" and "training again (step 501, was 500) 22 s later" in shown["detail"]
     )
+    assert done_line(shown).startswith("recovered ") and done_line(shown).endswith("22 s later")
 
 
 def _session(run: Path, spec: Path) -> WatchSession:

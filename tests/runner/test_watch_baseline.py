@@ -11,7 +11,6 @@ import pytest
 from test_watch_fakes import append_jsonl
 
 from runner.launch.registry import HostRecord, RunRecord
-
 from runner.watch.baseline import (
     KEEP_RUNS,
     config_hash,

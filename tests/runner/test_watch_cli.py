@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,3 +79,19 @@ def test_once_json_exits_2_on_a_critical_finding(run_dir: Path) -> None:
 def test_refused_combinations_exit_2_and_say_why(run_dir: Path, args: list[str], says: str) -> None:
     code, out = watch(run_dir, *args)
     assert code == 2 and says in " ".join(out.split()), out
+
+
+def test_the_prometheus_exporter_is_closed_when_watch_ends(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    run = tmp_path / "done"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps(manifest()))
+    append_jsonl(run / "events.jsonl", {"t": time.time(), "event": "stopped", "reason": "completed"})
+    (tmp_path / "nvml.json").write_text(json.dumps({"gpus": []}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out = watch(run, "--interval", "0.2", "--prometheus", str(port))
+    assert code == 0 and "the job completed" in out, out  # the run had finished: watch ends at once
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))
