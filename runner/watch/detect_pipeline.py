@@ -17,6 +17,7 @@ from runner.watch.signals import (
     fmt_pct,
     fmt_range,
     fmt_tok,
+    job_stopped,
     median,
     single_process,
     util_max,
@@ -49,7 +50,7 @@ def _rates(p: Pipeline) -> str:
 def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     snap = history[-1]
     p = snap.pipeline
-    if p is None or not p.q_pre or not p.q_hs or single_process(snap):
+    if p is None or not p.q_pre or not p.q_hs or single_process(snap) or job_stopped(snap):
         return []
     pre_full = all(q >= th.queue_full_frac * p.prefetch_depth for q in p.q_pre)
     pre_empty = all(q <= th.queue_empty_frac * p.prefetch_depth for q in p.q_pre)

@@ -48,6 +48,15 @@ def worker_idle(history: Sequence[Snapshot], w: WorkerView, idle_pct: float, sec
     return None
 
 
+def job_stopped(snap: Snapshot) -> bool:
+    """The job's newest lifecycle event is `stopped`: its last queue readings describe a pipeline that
+    has wound down (targets done, drafters gone), not one that is blocked."""
+    for e in reversed(snap.events):
+        if e.get("event") in ("launched", "started", "stopped"):
+            return e.get("event") == "stopped"
+    return False
+
+
 def single_process(snap: Snapshot) -> bool:
     """`python -m dflash.train`: target and drafter in one process, so there are no queues to read."""
     for e in reversed(snap.events):

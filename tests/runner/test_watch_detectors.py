@@ -177,6 +177,18 @@ def test_starved_pipeline_drafters_are_the_bottleneck() -> None:
     assert starved.numbers["idle_drafter_gpus"] == [2, 3]
 
 
+def test_a_stopped_job_s_last_queue_readings_are_no_bottleneck() -> None:
+    """After the job stops its last metrics still read q_pre full and q_hs empty (the targets are done,
+    the drafters gone): no finding. Relaunched, the same readings are the bottleneck again."""
+    s = _queues(sample(), [50, 46], [0])
+    for i, u in ((0, 4), (1, 6), (2, 0), (3, 2)):
+        s = with_gpu(s, i, util_gpu=u)
+    s["events"] = [{"event": "launched"}, {"event": "stopped", "reason": "completed"}]
+    assert "drafters_bottleneck" not in [f.kind for f in run(s)]
+    s["events"].append({"event": "launched"})
+    assert "drafters_bottleneck" in [f.kind for f in run(s)]
+
+
 def test_a_target_gpu_between_two_batches_is_still_busy() -> None:
     s = _queues(sample(), [50, 50], [0])
     earlier = seconds_of(s, 10)
