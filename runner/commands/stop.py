@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps({"run_id": rec.run_id, **result.to_dict()}))
         else:
             console.print(_summary(rec.run_id, result), highlight=False)
-        if result.left:
+        if result.left or (result.missed and result.state == "running"):
             raise typer.Exit(1)
 
 
@@ -51,10 +51,10 @@ def _summary(run_id: str, r: StopResult) -> str:
         return f"[green]stopped[/] {run_id} in {r.seconds:.1f} s: {state}"
     if r.forced:
         return f"[yellow]killed[/] {run_id} in {r.seconds:.1f} s: {state}"
-    if r.left:
+    if r.missed and r.state == "running":
         return (
-            f"[red]not stopped[/] {run_id}: still running on {', '.join(r.left)} (its supervisor did "
-            f"not match the recorded process; nothing was signalled there): {state}"
+            f"[red]not stopped[/] {run_id}: the process holding its run directory on "
+            f"{', '.join(r.missed)} is not the one the run recorded (a reused pid?): nothing was signalled"
         )
     if r.missed:
         return f"[yellow]was not running[/] {run_id} on {', '.join(r.missed)}: {state}"

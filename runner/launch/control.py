@@ -154,11 +154,11 @@ def _kill_all(h: HostRecord, ids: list[ProcId]) -> None:
 
 
 def _takes_sigterm(view: RunView) -> bool:
-    """The supervisor holds the run directory and has launched its workers, so its SIGTERM handler
-    is installed (the job installs it just before it starts them): a SIGTERM earlier would kill it
-    without a final checkpoint or `stopped` event (and a container's pid 1 ignores it)."""
-    last = view.last_lifecycle()
-    return view.running and last is not None and last.get("event") == "launched"
+    """The supervisor holds the run directory, so its SIGTERM handler is installed: the job installs
+    it before it takes job.lock (dflash/launch.py, EarlyStop), and a signal from then on ends the run
+    in order (a `stopped` event; a checkpoint once the drafters train). Before that, a SIGTERM would
+    meet the default handler and kill it without a trace."""
+    return view.running
 
 
 def _may_still_start(rec: RunRecord, h: HostRecord, view: RunView) -> bool:
@@ -273,9 +273,20 @@ def stop(
             time.sleep(1.0)
         else:
             hosts = []
+        # A host whose supervisor was gone may still have workers of the run (killed hard: stale).
+        leftovers = [
+            h
+            for h in rec.hosts
+            if name[h.node_rank] in missed
+            and not h.container
+            and alive_pids(h.host, list(known[h.node_rank].values()))
+        ]
         if pending or hosts:
             forced = True
             progress(f"not stopped after {timeout:.0f} s: killing every process of the run")
+        elif leftovers:
+            forced = True
+            progress(f"{rec.run_id} had no supervisor left to ask: killing the processes it left behind")
     if forced:
         for h in rec.hosts:
             look(h)

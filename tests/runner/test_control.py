@@ -17,8 +17,8 @@ from runner.launch.control import recorded_processes, stop
 from runner.launch.registry import HostRecord, RunRecord
 from runner.rundir import RunLocation, read_run
 
-# A stand-in supervisor: holds job.lock as the job does, records `launched`, and on SIGTERM records
-# `stopped` and exits; with a delay first, it is a job still starting.
+# A stand-in supervisor: handles SIGTERM and holds job.lock as the job does, records `launched`, and
+# on SIGTERM records `stopped` and exits; with a delay first, it is a job still starting.
 SUPERVISOR = r"""
 import fcntl, json, os, signal, sys, time
 run, delay = sys.argv[1], float(sys.argv[2])
@@ -29,9 +29,9 @@ def on_term(*_):
     event("stopped", reason="signal SIGTERM")
     sys.exit(0)
 time.sleep(delay)
+signal.signal(signal.SIGTERM, on_term)  # before the lock, as the job does
 fd = os.open(os.path.join(run, "job.lock"), os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
-signal.signal(signal.SIGTERM, on_term)
 event("launched", targets={}, drafter_group_pid=None)
 while True:
     time.sleep(0.1)
@@ -145,3 +145,18 @@ def _wait(cond: object, timeout: float = 20) -> None:
     while not cond():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_stop_of_a_stale_run_kills_what_it_left_behind(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """The supervisor was killed hard (no lock holder, no `stopped`), a worker lives on."""
+    run_dir = tmp_path / "run"
+    rec = _record(run_dir, time.time() - 60)
+    worker = _sleeper(procs)
+    _heartbeat(run_dir, "target-0", worker, time.time())
+    _append(run_dir, t=time.time(), event="launched", pid=1, targets={"target-0": worker})
+    result = stop(rec, timeout=30)
+    procs[0].wait(timeout=10)
+    assert result.missed == ["local"] and result.forced and not result.graceful
+    assert result.left == {} and result.state == "stale"
