@@ -41,32 +41,7 @@ def _cuda_ok() -> bool:
     return torch.cuda.is_available()
 
 
-LONGEST_FIRST = (
-    "tests/dflash/test_shipped_configs.py",
-    "tests/dflash/test_pipeline.py",
-    "tests/runner/test_watch_job.py",
-    "tests/dflash/test_warm_pipeline.py",
-    "tests/runner/test_cache_roundtrip.py",
-    "tests/runner/test_run_ssh.py",
-    "tests/runner/test_run_cache.py",
-    "tests/runner/test_run_docker.py",
-    "tests/dflash/test_bad_records.py",
-)
-"""Files whose tests take minutes (docs/BENCHMARKS.md, CPU): scheduled first, so the two test workers
-(./dev test: --dist loadgroup, a test at a time unless its file is an xdist_group) do not end with
-one of them alone on a long test."""
-
-
-def _longest_first(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::")[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: collection order within each file and among the rest
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _longest_first(items)
     docker = _docker_ok() if any("docker" in i.keywords for i in items) else True
     have_sshd = os.path.exists("/usr/sbin/sshd")
     cuda = _cuda_ok() if any("gpu" in i.keywords for i in items) else True

@@ -26,9 +26,6 @@ from dflash.config import load_config, read_config_file
 from dflash.rundir import RunDir
 from dflash.shapes import shape_plan
 
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("shipped-configs")
-
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 SCALED_MAX_LEN = 128

@@ -14,9 +14,6 @@ from dflash.demo import make_tiny_target
 from dflash.errors import DFlashError
 from dflash.target import TargetCapture, load_frozen_head
 
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("target")
-
 LAYERS = 6
 
 

@@ -11,9 +11,6 @@ from dflash.demo import make_tiny_target
 from dflash.errors import DFlashError
 from dflash.tokenizer import ByteTokenizer, RecordError, load_tokenizer, require_mask_token
 
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tokenizer")
-
 CHAT = [
     {"role": "system", "content": "You add numbers."},
     {"role": "user", "content": "Please add: 2 and 3."},

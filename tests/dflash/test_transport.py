@@ -35,9 +35,6 @@ from dflash.pipeline.transport import (
     slot_bytes_for,
 )
 
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("transport")
-
 JOIN_S = 20
 
 

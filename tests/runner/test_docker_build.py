@@ -20,8 +20,7 @@ from runner.envs import load_variant
 from runner.lock import expected_packages, read_lock
 
 CLI = [sys.executable, "-m", "runner.cli"]
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker-build")]
+pytestmark = pytest.mark.docker
 
 
 def _ca_args() -> list[str]:

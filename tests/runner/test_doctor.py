@@ -15,9 +15,6 @@ from runner.doctor import diagnose, driver_check, required_driver
 from runner.envs import load_variant
 from runner.lock import read_lock
 
-# One worker runs this file: its module fixtures are made once (./dev test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("doctor")
-
 CLI = [sys.executable, "-m", "runner.cli"]
 FIELDS = {
     "schema",
