@@ -421,6 +421,7 @@ class DFlashDrafter(nn.Module):
         return _rms_norm_compiled()(x_NH, norm.weight, norm.variance_epsilon).view(x.shape)
 
     def compile_outer_norms(self) -> None:
+        """Compile the outer norms (dflash.trainer.apply_compile does on a GPU)."""
         self.compiled_norms = True
 
     def lm_head(self, hidden_NH: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ a constant the layer's graph is specialised on, and the first layer's input (the
 output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
 (unpadded and padded batches) per target layer type. The fused loss (train.fused_loss) is one
 graph of its own code: its row count is dynamic. So are the two norms outside the layers (the
-context's and the final one, compiled with the layers): one code, a graph per input dtype, at most
+context's and the final one, compiled with the layers on a GPU): one code, a graph per input dtype, at most
 OUTER_NORM_GRAPHS. The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
 """
