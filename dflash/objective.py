@@ -90,12 +90,22 @@ class LossOutput:
     """Trained positions per block position, on the device."""
     _host: tuple[list[float], list[float]] | None = None
 
+    def read_with(self, *extra: torch.Tensor) -> list[float]:
+        """Read the accuracy counts to the host together with `extra` scalars, in one transfer (the
+        trainer's one wait per step, after the optimizer step); returns the extras' values."""
+        K = self.hits_K.numel()
+        values = torch.cat(
+            [self.hits_K.float(), self.counts_K.float(), *(x.float().reshape(1) for x in extra)]
+        )
+        host = values.tolist()
+        self._host = (host[:K], host[K : 2 * K])
+        return host[2 * K :]
+
     def _read(self) -> tuple[list[float], list[float]]:
-        """(hits, counts) on the host: one device sync, the first time a metric is read (the trainer
-        reads them after the optimizer step, so the step itself never waits for them)."""
+        """(hits, counts) on the host, read the first time a metric is read."""
         if self._host is None:
-            hits, counts = torch.stack([self.hits_K.float(), self.counts_K.float()]).tolist()
-            self._host = (hits, counts)
+            self.read_with()
+        assert self._host is not None
         return self._host
 
     @property

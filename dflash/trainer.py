@@ -270,8 +270,7 @@ class DrafterTrainer:
 
     def read_step(self, q: QueuedStep) -> StepResult:
         """The queued step's metrics: the step's one wait for the device."""
-        values = torch.stack([q.out.loss.detach().float(), q.grad_norm.float(), q.seq_lens_B.sum().float()])
-        loss, grad_norm, tokens = values.tolist()
+        loss, grad_norm, tokens = q.out.read_with(q.out.loss.detach(), q.grad_norm, q.seq_lens_B.sum())
         return StepResult(
             step=q.step,
             loss=loss,
