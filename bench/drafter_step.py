@@ -1,4 +1,5 @@
-"""The drafter's training step as the job runs it: `DrafterTrainer.train_step`, tokens/s and MFU.
+"""The drafter's training step as the job runs it (`DrafterTrainer` steps through `StepAhead`, one
+step queued ahead of the one read back, as the job's loops run them): tokens/s and MFU.
 
 The trainer is built exactly as a drafter worker builds it (dflash.trainer.DrafterTrainer: regional
 compile of every decoder layer, the fused loss where train.fused_loss resolves true, clipping, fused
@@ -36,6 +37,7 @@ import datetime
 import gc
 import json
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -231,16 +233,19 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     import torch
 
     from dflash.objective import sample_anchors
+    from dflash.trainer import StepAhead
 
     trainer, cfg, batch = build_trainer(args, backend)
     cuda = trainer.device.type == "cuda"
+    # As the job's loops run it: one step queued ahead of the one read back.
+    ahead = StepAhead(trainer)
 
-    def step() -> Any:
-        return trainer.train_step(**batch)
+    def steps(n: int) -> list[Any]:
+        done = [r for _ in range(n) for r, _ in ahead.push(**batch)]
+        return done + [r for r, _ in ahead.flush()]
 
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
+    steps(args.warmup)
     warm_s = time.perf_counter() - t0
     # The anchors the first timed step will sample (same generator state), for the FLOP count.
     gen = torch.Generator().manual_seed(0)
@@ -253,7 +258,7 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    results = [step() for _ in range(args.steps)]  # each step ends in a device sync (loss.item())
+    results = steps(args.steps)  # the last one read back ends the timing
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
@@ -281,8 +286,7 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            for _ in range(args.profile_steps):
-                step()
+            steps(args.profile_steps)
             if cuda:
                 torch.cuda.synchronize()
         res["profile"] = (
@@ -299,6 +303,23 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     return res
 
 
+def bench_in_own_process(backend: str) -> dict[str, Any]:
+    """This bench for one backend, in a new process with this command's other options."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a in ("--backends", "--out"):
+            skip = True
+        elif not a.startswith(("--backends=", "--out=")):
+            argv.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--backends", backend, "--out", str(out)]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())["results"][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="flex,sdpa")
@@ -313,6 +334,13 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on CPU (smoke run)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run several backends one after another in this process (default: each in a process of its "
+        "own, as a job runs one: the second backend in the first's process ran with its allocator and "
+        "compile state)",
+    )
     ap.add_argument("--out", default=default_out("drafter_step"))
     args = ap.parse_args()
     import torch
@@ -340,14 +368,16 @@ def main() -> None:
         "results": results,
     }
     for backend in backends:
-        results.append(bench_backend(args, backend))
+        if len(backends) > 1 and not args.in_process:
+            results.append(bench_in_own_process(backend))
+        else:
+            results.append(bench_backend(args, backend))
+            # forget the compiled layers (graphs, recompile counts), free the trainer and its state
+            torch._dynamo.reset()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         write_report(args.out, report)  # after each backend: a step cut by a time limit keeps the first
-        # A job process runs one backend: forget the compiled layers (their graphs and recompile
-        # counts) and free the trainer and its optimizer state before the next backend's.
-        torch._dynamo.reset()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         r = results[-1]
         print(
             f"{backend}: {r['step_ms']:.1f} ms/step, {r['seq_tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}",

@@ -121,10 +121,22 @@ cache_roundtrip() {
     --python "$pyabs" --config "$config" "${sets[@]}" || { echo "restore failed"; return 1; }
   "$PY" -m dflash.warm "$config" --out "$scratch/restored/cache" "${sets[@]}" \
     > "$scratch/again.jsonl" || { echo "warm run on the restored dir failed"; return 1; }
-  "$PY" - "$scratch/warm.json" "$scratch/again.jsonl" "$result" "$GPU" <<'EOF'
+  : > "$scratch/again-threads1.jsonl"
+  if [ "${RESTORE_THREADS1:-0}" = 1 ]; then
+    # The same restored warm again from a fresh restore, without inductor's compile workers: what
+    # the worker pool and loading kernels in the parent cost on a cache that only hits.
+    rm -rf "$scratch/restored"
+    "$PY" -m runner.cli cache restore "$key" --store "$scratch/store" --dest "$scratch/restored/cache" \
+      --python "$pyabs" --config "$config" "${sets[@]}" > /dev/null || { echo "restore failed"; return 1; }
+    TORCHINDUCTOR_COMPILE_THREADS=1 "$PY" -m dflash.warm "$config" --out "$scratch/restored/cache" \
+      "${sets[@]}" > "$scratch/again-threads1.jsonl" || { echo "threads=1 warm failed"; return 1; }
+  fi
+  "$PY" - "$scratch/warm.json" "$scratch/again.jsonl" "$result" "$GPU" "$scratch/again-threads1.jsonl" <<'EOF'
 import json, sys
 warm = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 events = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
+t1 = [json.loads(l) for l in open(sys.argv[5]) if l.startswith("{")]
+t1_done = next((e for e in t1 if e["event"] == "done"), None)
 done = next(e for e in events if e["event"] == "done")
 cold, hot = warm["warm"], done
 c, cc = hot["counters"], cold["counters"]
@@ -141,9 +153,13 @@ res = {
     "restored_per_shape": [{"shape": e["shape"], "seconds": e["seconds"], **(e.get("breakdown") or {})}
                            for e in events if e["event"] == "shape"],
     "memory": cold.get("memory"),
+    "restored_threads1": t1_done and {
+        "seconds": t1_done["seconds"], "ratio": t1_done["seconds"] / cold["seconds"],
+        "counters": t1_done["counters"], "breakdown": t1_done.get("breakdown")},
 }
 open(sys.argv[3], "w").write(json.dumps(res, indent=2))
 print(json.dumps({k: res[k] for k in ("cold_compile_s", "restored_compile_s", "ratio", "all_hits")}))
+print(json.dumps({"restored_breakdown": res["restored_breakdown"], "restored_threads1": res["restored_threads1"]}))
 sys.exit(0 if res["all_hits"] else 3)
 EOF
   local rc=$?
@@ -168,7 +184,7 @@ cache_8b() {
            --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64
            --set train.token_budget=256 --set train.max_batch_size=4 --set train.num_anchors=8)
   fi
-  cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
+  RESTORE_THREADS1=${H200_RESTORE_THREADS1:-1} cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
   local rc=$?
   [ "${H200_REFUSAL:-1}" = 1 ] || return $rc
   # The plan before the block-token budget (64 rows of 511 anchors at the 512 bucket): warm-cache
@@ -199,8 +215,11 @@ cache_probe() {
     || { echo "building the target failed"; return 1; }
   scratch=$(mktemp -d "$WORK/probe-XXXXXX"); pyabs=$(command -v "$PY")
   export XDG_CACHE_HOME="$scratch/xdg-cache" XDG_CONFIG_HOME="$scratch/xdg-config"
+  # Two buckets of the shipped config's batching: its block-token budget as at max_seq_len 4096
+  # (12 rows x 512 anchors x 16), which the derived budget of a 1024-token maximum would quadruple
+  # (48 rows of 1024: the memory preflight refused that plan, 2026-12-01).
   local sets=(--set "target.path=$target" --set "run.runs_root=$scratch/runs" --set data.max_seq_len=1024
-              --set data.bucket_multiple=512 ${H200_PROBE_SETS:-})
+              --set data.bucket_multiple=512 --set train.block_token_budget=98304 ${H200_PROBE_SETS:-})
   if [ "$GPU" = 0 ]; then
     sets+=(--set run.device=cpu --set target.dtype=float32 --set attention.backend=sdpa
            --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64

@@ -290,7 +290,7 @@ def bench_drafter(cfg: Any, target_dir: Path, mask_id: int, args: argparse.Names
     from dflash.model import resolve_spec
     from dflash.session import torch_dtype
     from dflash.target import load_frozen_head
-    from dflash.trainer import DrafterTrainer
+    from dflash.trainer import DrafterTrainer, StepAhead
 
     dev = torch.device(device)
     spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(str(target_dir)), mask_id)
@@ -307,11 +307,13 @@ def bench_drafter(cfg: Any, target_dir: Path, mask_id: int, args: argparse.Names
     trainer.train_step(ids_BL, mask_BL, seq_lens_B, hidden_BLF)  # compiles
     first_s = time.perf_counter() - t0
     losses: list[float] = []
+    ahead = StepAhead(trainer)  # as the job's drafter loop steps: one queued ahead of the one read
 
     def step() -> None:
-        losses.append(trainer.train_step(ids_BL, mask_BL, seq_lens_B, hidden_BLF).loss)
+        losses.extend(r.loss for r, _ in ahead.push(ids_BL, mask_BL, seq_lens_B, hidden_BLF))
 
     sec = timed(step, warmup=args.warmup, iters=args.drafter_steps, device=device)
+    losses.extend(r.loss for r, _ in ahead.flush())
     res = {
         "backend": trainer.backend,
         "compile": cfg.attention.compile,

@@ -75,9 +75,9 @@ def block_labels(
 def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for k >= 1; w_0 = 0."""
     k_K = torch.arange(block_size, device=device, dtype=torch.float32)
-    w_K = torch.exp(-(k_K - 1) / gamma)
-    w_K[0] = 0.0
-    return w_K
+    # torch.where, not `w_K[0] = 0.0`: assigning a Python number copies it from the host and waits
+    # for the device (the step would stall there; tests/dflash/test_trainer_step.py).
+    return torch.where(k_K > 0, torch.exp(-(k_K - 1) / gamma), 0.0)
 
 
 @dataclass(slots=True)

@@ -271,7 +271,7 @@ class DrafterSide:
         from dflash.resolve import resolve_strict
         from dflash.shapes import shape_plan
         from dflash.target import load_frozen_head
-        from dflash.trainer import DrafterTrainer
+        from dflash.trainer import DrafterTrainer, StepAhead
 
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
         embed, head, target_config = load_frozen_head(
@@ -285,6 +285,7 @@ class DrafterSide:
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
         self.guard.__enter__()
         self.compiles = CompileTracker(run, worker)
+        self.ahead = StepAhead(self.trainer, drain=self.due_checkpoint)
         self.resumed_from: int | None = None
         self.data_state: dict[str, Any] | None = None
 
@@ -329,17 +330,35 @@ class DrafterSide:
             set_rng_state(rngs[str(self.rank)])
         self.data_state = state.get("data", {}).get(str(self.rank))
 
-    def step(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor
-    ) -> Any:
+    def push(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        seq_lens: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        tag: Any = None,
+    ) -> list[tuple[Any, Any]]:
+        """Queue a training step; returns the steps read back by now, oldest first, with their tags
+        (dflash.trainer.StepAhead: one step stays queued ahead; checkpoint and last steps are read
+        by the push that queued them)."""
         from dflash.kernels import compile_counters
 
         shape = tuple(input_ids.shape)
-        before = compile_counters() if self.compiles.is_new(shape) else {}
-        result = self.trainer.train_step(input_ids, loss_mask, seq_lens, hidden)
-        self.compiles.around_step(shape, result.seconds, before)
+        new = self.compiles.is_new(shape)
+        before = compile_counters() if new else {}
+        done = self.ahead.push(input_ids, loss_mask, seq_lens, hidden, tag=tag, read_now=new)
+        if new and self.ahead.pending_result is not None:
+            self.compiles.around_step(shape, self.ahead.pending_result.seconds, before)
         self.guard.check()
-        return result
+        return done
+
+    def flush(self) -> list[tuple[Any, Any]]:
+        """Read back the step still queued, if any (input ran dry, or the loop is about to stop)."""
+        return self.ahead.flush()
+
+    def due_checkpoint(self, step: int) -> bool:
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.total_steps
 
     def checkpoint(self, data_states: dict[str, Any], rng_states: dict[str, Any]) -> None:
         from dflash.checkpoint import save_checkpoint
@@ -412,11 +431,12 @@ class Job:
     def target_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         return self.target(ids.to(self.device), lens.to(self.device))
 
-    def emit_metrics(self, meter: Any, *, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
+    def emit_metrics(self, meter: Any, *, step: int, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
+        """The status record; step: the last step read back (one more may be queued already)."""
         from dflash.kernels import compile_counters
 
         rec = meter.record(
-            step=self.trainer.step,
+            step=step,
             q_pre=q_pre,
             q_hs=q_hs,
             epoch=self.batcher.epoch_progress,

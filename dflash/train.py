@@ -70,6 +70,20 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     meter = job.new_meter()
     last_status = time.time()
     failure: BaseException | None = None
+
+    def finish(done: list[Any]) -> None:
+        """Book the steps read back (dflash.trainer.StepAhead keeps one queued ahead)."""
+        nonlocal last_status
+        for result, _ in done:
+            meter.add_step(result)
+            dft_hb.set("computing", progress=True, step=result.step)
+            if time.time() - last_status >= cfg.run.status_interval_s or result.step == cfg.train.total_steps:
+                job.emit_metrics(meter, q_pre=[0], q_hs=[0], step=result.step)
+                last_status = time.time()
+            if job.drafter.due_checkpoint(result.step):  # read by the push that queued it
+                dft_hb.set("checkpointing")
+                job.save_checkpoint()
+
     try:
         while trainer.step < cfg.train.total_steps and not stop.requested:
             tgt_hb.set("computing")
@@ -78,18 +92,8 @@ def train(cfg: JobConfig, run: RunDir) -> int:
             meter.add_target()
             tgt_hb.set("waiting_output", progress=True)
             dft_hb.set("compiling" if job.drafter.compiles.is_new(tuple(ids.shape)) else "computing")
-            result = job.drafter.step(ids, mask, lens, hidden)
-            meter.add_step(result)
-            dft_hb.set("computing", progress=True, step=trainer.step)
-            if (
-                time.time() - last_status >= cfg.run.status_interval_s
-                or trainer.step == cfg.train.total_steps
-            ):
-                job.emit_metrics(meter, q_pre=[0], q_hs=[0])
-                last_status = time.time()
-            if trainer.step % cfg.train.checkpoint_every == 0 or trainer.step == cfg.train.total_steps:
-                dft_hb.set("checkpointing")
-                job.save_checkpoint()
+            finish(job.drafter.push(ids, mask, lens, hidden))
+        finish(job.drafter.flush())  # stopped by a signal: the step still queued counts
     except BaseException as e:
         failure = e
         raise

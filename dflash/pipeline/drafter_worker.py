@@ -192,6 +192,55 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         total = cfg.train.total_steps
         log_batches = os.environ.get("DFLASH_LOG_BATCHES") == "1"
         lease, stopped = None, False
+
+        def finish(done: list[tuple[Any, Any]]) -> None:
+            """Book the steps read back, oldest first (dflash.trainer.StepAhead keeps one queued
+            ahead; the push that queues a checkpoint step reads it). Their batches are acked only
+            now: a batch whose step never completed is redelivered."""
+            nonlocal last_status, last_produced
+            for result, done_lease in done:
+                hs.ack(done_lease)
+                if log_batches:
+                    run.event(
+                        "batch",
+                        worker=worker,
+                        step=result.step,
+                        generation=g.generation,
+                        target=done_lease.meta.get("target"),
+                        batch=done_lease.meta.get("batch"),
+                        seq=done_lease.seq,
+                        deliveries=done_lease.deliveries,
+                    )
+                meter.add_step(group_result(g, result))
+                hb.set("computing", progress=True, step=result.step)
+                due = time.time() - last_status >= cfg.run.status_interval_s or result.step == total
+                if due and g.local_rank == 0:
+                    stats = hs.stats()
+                    meter.add_target(stats["produced"] - last_produced)
+                    last_produced = stats["produced"]
+                    rec = meter.record(
+                        step=result.step,
+                        q_pre=_target_q_pre(run),
+                        q_hs=[hs.depth()],
+                        epoch=float(done_lease.meta.get("epoch", 0.0)),
+                        compile=compile_counters(),
+                        gpu_mem_gb=gpu_mem_gb(device, worker),
+                        extra={
+                            "world_size": g.world,
+                            "generation": g.generation,
+                            "queue": {k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")},
+                        },
+                    )
+                    run.metric(rec)
+                    print(format_status_line(rec), flush=True)
+                    last_status = time.time()
+                if side.due_checkpoint(result.step):
+                    hb.set("checkpointing")
+                    if writes_checkpoints:
+                        side.checkpoint({}, {})
+                    if g.world > 1:
+                        dist.barrier()
+
         while trainer.step < total:
             # Ranks step together or not at all: each first holds a batch (or times out waiting), then
             # all agree whether to stop and whether everyone has a batch. A rank that broke out alone
@@ -204,53 +253,14 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 stopped = True  # a held lease is handed back by the queue once this process is gone
                 break
             if missing_any > 0 or lease is None:
+                finish(side.flush())  # input ran dry: the queued step is read now, not left waiting
                 continue
             t = lease.tensors
             hb.set("compiling" if side.compiles.is_new(tuple(t["input_ids"].shape)) else "computing")
-            result = side.step(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"])
+            finish(side.push(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"], tag=lease))
             stepped = True
-            hs.ack(lease)
-            done_lease, lease = lease, None
-            if log_batches:
-                run.event(
-                    "batch",
-                    worker=worker,
-                    step=trainer.step,
-                    generation=g.generation,
-                    target=done_lease.meta.get("target"),
-                    batch=done_lease.meta.get("batch"),
-                    seq=done_lease.seq,
-                    deliveries=done_lease.deliveries,
-                )
-            meter.add_step(group_result(g, result))
-            hb.set("computing", progress=True, step=trainer.step)
-            due = time.time() - last_status >= cfg.run.status_interval_s or trainer.step == total
-            if due and g.local_rank == 0:
-                stats = hs.stats()
-                meter.add_target(stats["produced"] - last_produced)
-                last_produced = stats["produced"]
-                rec = meter.record(
-                    step=trainer.step,
-                    q_pre=_target_q_pre(run),
-                    q_hs=[hs.depth()],
-                    epoch=float(done_lease.meta.get("epoch", 0.0)),
-                    compile=compile_counters(),
-                    gpu_mem_gb=gpu_mem_gb(device, worker),
-                    extra={
-                        "world_size": g.world,
-                        "generation": g.generation,
-                        "queue": {k: stats[k] for k in ("produced", "delivered", "acked", "redelivered")},
-                    },
-                )
-                run.metric(rec)
-                print(format_status_line(rec), flush=True)
-                last_status = time.time()
-            if trainer.step % cfg.train.checkpoint_every == 0 or trainer.step == total:
-                hb.set("checkpointing")
-                if writes_checkpoints:
-                    side.checkpoint({}, {})
-                if g.world > 1:
-                    dist.barrier()
+            lease = None
+        finish(side.flush())  # stopping: the queued step completes and is booked before the checkpoint
         if stopped and writes_checkpoints and trainer.step > 0:
             hb.set("checkpointing")
             side.checkpoint({}, {})

@@ -627,7 +627,9 @@ class HiddenStateQueue:
         stop: threading.Event | None = None,
         copy: bool = True,
     ) -> Lease | None:
-        """Lease the oldest ready batch; None when stopped or timed out. ack() it after the step."""
+        """Lease the oldest ready batch; None when stopped or timed out. ack() it after the step.
+        On a CUDA device the copies are queued on the current stream (ordered before any work that
+        uses them); ack() only once that work is done."""
         if self._generation is None:
             raise TransportError(
                 "call register_consumer(generation) before get(): leases carry the generation"
@@ -653,9 +655,14 @@ class HiddenStateQueue:
                 elif device is None:
                     tensors[entry["name"]] = view.clone()
                 else:
-                    if torch.device(device).type == "cuda":
+                    cuda = torch.device(device).type == "cuda"
+                    if cuda:
                         self._pin_for_cuda()
-                    tensors[entry["name"]] = view.to(device, copy=True)
+                    # Queued behind the device's work, not waited for: a blocking copy would wait for
+                    # the drafter's step still queued (dflash.trainer.StepAhead) and idle the GPU
+                    # while the next step is launched. The slot stays leased until ack(), which comes
+                    # after the step that read these tensors, so the copy is done before reuse.
+                    tensors[entry["name"]] = view.to(device, copy=True, non_blocking=cuda)
         except BaseException:
             with self._locked():
                 if self._s(slot, "state") == LEASED and self._s(slot, "token") == token:

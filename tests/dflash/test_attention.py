@@ -217,3 +217,23 @@ def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path
         assert forced.kernel_options(FlexPlan(bm, "full", None), 16, torch.float32) == {"fwd_BLOCK_M": 32}
     finally:
         flex.TUNED_KERNEL_OPTIONS = saved
+
+
+def test_sdpa_context_slices_take_few_widths_and_keep_every_needed_key():
+    """The sdpa backend widens each chunk's context slice (the extra keys are masked): every slice
+    still covers the keys its blocks need, stays inside the context, and takes only widths that are
+    multiples of SLICE_WIDTH_MULTIPLE or the whole context: a handful of cuDNN plans, not one per
+    batch."""
+    from dflash.attention.sdpa import SLICE_WIDTH_MULTIPLE, widen
+
+    S = 4096
+    widths = set()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        lo, hi = sorted(torch.randint(0, S + 1, (2,), generator=gen).tolist())
+        a, b = widen(lo, hi, S)
+        assert 0 <= a <= lo and hi <= b <= S, (lo, hi, a, b)
+        assert (b - a) % SLICE_WIDTH_MULTIPLE == 0 or b - a == S
+        widths.add(b - a)
+    assert len(widths) <= S // SLICE_WIDTH_MULTIPLE + 1
+    assert widen(0, 0, S) == (0, 0) and widen(0, 100, 300) == (0, 300)

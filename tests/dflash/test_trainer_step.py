@@ -3,6 +3,10 @@ waits for the device before its optimizer update (checked for real on the GPU)."
 
 from __future__ import annotations
 
+import traceback
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -51,28 +55,26 @@ def test_unfused_optimizer_clips_the_gradients_themselves():
     assert not hasattr(opt, "grad_scale")
 
 
-@pytest.mark.gpu
-def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo):
-    """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
-    is queued without one device sync: CUDA's sync debug mode turns any into an error. The metrics
-    are read once, afterwards, and match a plain train_step's kind of result."""
+SIZES = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
+
+
+def _trainer(repo: Path, dev: torch.device, dtype: torch.dtype, *sets: str):
+    """A DrafterTrainer of the shipped 8B config's structure at a small size (one 512 bucket)."""
     from transformers import Qwen3Config
 
     from dflash.config import load_config
     from dflash.model import resolve_spec
     from dflash.trainer import DrafterTrainer
 
-    dev = torch.device("cuda")
-    sizes = dict(
-        hidden_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-    )
     cfg = load_config(
         repo / "configs" / "qwen3-8b.toml",
         [
@@ -85,30 +87,107 @@ def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(re
             "train.loss_chunk_tokens=1024",
             "drafter.num_target_layers=3",
             "drafter.sliding_window=128",
-            f"drafter.mask_token_id={sizes['vocab_size'] - 1}",
+            f"drafter.mask_token_id={SIZES['vocab_size'] - 1}",
+            *sets,
         ],
     )
-    spec = resolve_spec(cfg.drafter, Qwen3Config(**sizes), cfg.drafter.mask_token_id)
+    spec = resolve_spec(cfg.drafter, Qwen3Config(**SIZES), cfg.drafter.mask_token_id)
     gen = torch.Generator().manual_seed(0)
-    embed = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, torch.bfloat16)
-    head = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, torch.bfloat16)
-    trainer = DrafterTrainer(cfg, spec, embed, head, dev)
+    embed = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, dtype)
+    head = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.02).to(dev, dtype)
+    return DrafterTrainer(cfg, spec, embed, head, dev), spec
+
+
+def _batches(spec, n: int, features_dtype: torch.dtype, B: int = 2, S: int = 512) -> list[tuple]:
+    """n host batches of one shape, as pad_batch hands them to the trainer."""
+    gen = torch.Generator().manual_seed(1)
+    features = len(spec.target_layer_ids) * spec.target_hidden_size
+    return [
+        (
+            torch.randint(0, spec.vocab_size - 1, (B, S), generator=gen),
+            torch.ones(B, S, dtype=torch.bool),
+            torch.full((B,), S),
+            torch.randn(B, S, features, generator=gen).to(features_dtype),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_step_ahead_reads_each_step_once_in_order_and_drains_checkpoint_steps(repo):
+    """StepAhead (how the job's loops step: one step queued ahead of the one read back) gives the
+    same results as plain train_step calls, in step order; a drain step (a checkpoint) comes back
+    from the push that queued it with nothing queued after it, so the weights then are that step's;
+    read_now reads at once yet returns with the next push, like any other step."""
+    from dflash.trainer import StepAhead
+
+    sets = ("run.device=cpu", "attention.backend=sdpa", "attention.compile=false", "target.dtype=float32")
+    cpu = torch.device("cpu")
+    batches = _batches(_trainer(repo, cpu, torch.float32, *sets)[1], 5, torch.float32)
+    ref, _ = _trainer(repo, cpu, torch.float32, *sets)
+    want = [ref.train_step(*b) for b in batches]
+    trainer, _ = _trainer(repo, cpu, torch.float32, *sets)
+    ahead = StepAhead(trainer, drain=lambda step: step == 3)
+    got: list[list[tuple[int, str]]] = []
+    results = []
+    for i, b in enumerate(batches):
+        done = ahead.push(*b, tag=f"batch-{i}", read_now=i == 0)
+        got.append([(r.step, tag) for r, tag in done])
+        results += [r for r, _ in done]
+        if i == 2:  # step 3 drained: nothing queued after it, the weights are step 3's
+            assert trainer.step == 3 and ahead.pending_result is None
+            ref3, _ = _trainer(repo, cpu, torch.float32, *sets)
+            for b3 in batches[:3]:
+                ref3.train_step(*b3)
+            for p, q in zip(trainer.params, ref3.params, strict=True):
+                assert torch.equal(p, q)
+    assert ahead.pending_result is None  # step 5 (not read_now) is still queued
+    tail = ahead.flush()
+    got.append([(r.step, tag) for r, tag in tail])
+    results += [r for r, _ in tail]
+    assert got == [
+        [],
+        [(1, "batch-0")],
+        [(2, "batch-1"), (3, "batch-2")],
+        [],
+        [(4, "batch-3")],
+        [(5, "batch-4")],
+    ]
+    assert ahead.flush() == []
+    assert [r.loss for r in results] == [r.loss for r in want]
+    assert [r.grad_norm for r in results] == [r.grad_norm for r in want]
+    assert [r.acc_per_pos for r in results] == [r.acc_per_pos for r in want]
+
+
+@pytest.mark.gpu
+def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo):
+    """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
+    is queued without one device sync: CUDA's sync debug mode reports each, with where it came from.
+    The metrics are read once, afterwards, and match a plain train_step's kind of result."""
+    dev = torch.device("cuda")
+    trainer, spec = _trainer(repo, dev, torch.bfloat16)
     assert trainer.fused_loss and trainer.optimizer.defaults["fused"]
     B, S = 2, 512
-    features = len(spec.target_layer_ids) * spec.target_hidden_size
-    batch = (
-        torch.randint(0, spec.vocab_size - 1, (B, S), device=dev),
-        torch.ones(B, S, dtype=torch.bool, device=dev),
-        torch.full((B,), S, device=dev),
-        torch.randn(B, S, features, device=dev, dtype=torch.bfloat16),
-    )
+    (batch,) = _batches(spec, 1, torch.bfloat16, B, S)  # on the host, as pad_batch hands them
     first = trainer.train_step(*batch)  # compiles
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        queued = trainer.queue_step(*batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    # "warn", not "error": every synchronizing call is collected with the stack that made it, so one
+    # GPU run names all of them (an error stops at the first).
+    syncs: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if "synchronizing CUDA operation" in str(message):
+            here = [f for f in traceback.extract_stack() if "/dflash/" in f.filename]
+            syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(here)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            queued = trainer.queue_step(*batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not syncs, "the step waited for the device at:\n" + "\n".join(syncs)
     r = trainer.read_step(queued)
     assert r.step == 2 and r.tokens == B * S and 0 < r.block_tokens <= B * 64 * (spec.block_size - 1)
     assert r.loss < first.loss + 1.0 and r.grad_norm > 0 and 0 <= r.acc <= 1
