@@ -20,6 +20,16 @@ from typing import Any
 import torch
 
 
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x on `device` without the host waiting for the device. A CUDA copy from pageable host memory
+    returns only once the copy is done, which is after everything already queued on the stream: it
+    would hold the host until the step queued before is finished (dflash.trainer.StepAhead). From
+    pinned memory the copy is queued like a kernel; the pinned buffer is kept until it ran."""
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device, non_blocking=True)
+    return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+
+
 def sample_anchors(
     loss_mask_BL: torch.Tensor,
     seq_lens_B: torch.Tensor,
@@ -38,7 +48,7 @@ def sample_anchors(
     next_is_loss_BL[:, :-1] = loss_mask_BL[:, 1:]
     eligible_BL = loss_mask_BL & next_is_loss_BL & (pos_L[None, :] < (seq_lens_B[:, None] - 1))
     # Random keys for eligible positions, +inf elsewhere; the smallest num_anchors keys win.
-    keys_BL = torch.rand(B, L, generator=generator, device="cpu").to(loss_mask_BL.device, non_blocking=True)
+    keys_BL = host_to_device(torch.rand(B, L, generator=generator, device="cpu"), loss_mask_BL.device)
     keys_BL = keys_BL.masked_fill(~eligible_BL, float("inf"))
     take = min(num_anchors, L)
     keys_BA, idx_BA = keys_BL.topk(take, dim=1, largest=False)

@@ -25,6 +25,7 @@ from dflash.objective import (
     block_labels,
     dflash_loss,
     expected_streak,
+    host_to_device,
     sample_anchors,
     trained_count,
 )
@@ -229,10 +230,9 @@ class DrafterTrainer:
         next (tests/dflash/test_trainer_step.py checks it under CUDA's sync debug mode)."""
         t0 = time.perf_counter()
         dev = self.device
-        input_ids_BL, loss_mask_BL, seq_lens_B = (
-            x.to(dev, non_blocking=True) for x in (input_ids_BL, loss_mask_BL, seq_lens_B)
+        input_ids_BL, loss_mask_BL, seq_lens_B, target_hidden_BLF = (
+            host_to_device(x, dev) for x in (input_ids_BL, loss_mask_BL, seq_lens_B, target_hidden_BLF)
         )
-        target_hidden_BLF = target_hidden_BLF.to(dev, non_blocking=True)
         shape = self.plan.check_batch(*input_ids_BL.shape)
         anchors_BA = sample_anchors(loss_mask_BL, seq_lens_B, shape.anchors, self.anchor_gen)
         labels_BAK, valid_BAK = block_labels(
