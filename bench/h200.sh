@@ -184,7 +184,7 @@ cache_8b() {
            --set attention.strict_kernels=false --set data.max_seq_len=128 --set data.bucket_multiple=64
            --set train.token_budget=256 --set train.max_batch_size=4 --set train.num_anchors=8)
   fi
-  RESTORE_THREADS1=${H200_RESTORE_THREADS1:-1} cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
+  RESTORE_THREADS1=${H200_RESTORE_THREADS1:-0} cache_roundtrip configs/qwen3-8b.toml "$OUT/compile_cache_8b.json" "${sets[@]}"
   local rc=$?
   [ "${H200_REFUSAL:-1}" = 1 ] || return $rc
   # The plan before the block-token budget (64 rows of 511 anchors at the 512 bucket): warm-cache

@@ -9,7 +9,9 @@ Three things bench/drafter_step.py --profile cannot see from kernel totals alone
     waited, e.g. aten::item or aten::nonzero);
   - per phase (the trainer's dflash.forward / loss / backward / optimizer ranges, by time) the device
     time of compiled code (launched inside a compiled region) and of eager ops;
-  - the eager kernels by the op that launched them: what is left outside torch.compile.
+  - the eager kernels by the op that launched them: what is left outside torch.compile;
+  - every kernel by name, with its device time per phase (each device event counted once: the
+    profiler's own per-op kernel lists counted some kernels many times over).
 
 Pure Python over the trace's events (no torch), so its tests run on any machine.
 """
@@ -100,8 +102,14 @@ def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
         lambda: {"compiled": 0.0, "eager": 0.0, "unlinked": 0.0}
     )
     eager_ops: dict[str, float] = defaultdict(float)
+    # Every device event once, by name and phase (of its launch; of its start when unlinked).
+    by_kernel: dict[str, dict[str, Any]] = {}
     for i, k in enumerate(kernels):
         dur = float(k.get("dur", 0.0))
+        row = by_kernel.setdefault(k["name"], {"us": 0.0, "calls": 0, "phases": defaultdict(float)})
+        row["us"] += dur
+        row["calls"] += 1
+        row["phases"][phase_at(launch_ts[i]) if i in launch_ts else phase_at(float(k["ts"]))] += dur
         if i not in stacks:
             per_phase[phase_at(float(k["ts"]))]["unlinked"] += dur
             continue
@@ -164,5 +172,14 @@ def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
         "phases": {p: {k: ms(v) for k, v in d.items()} for p, d in per_phase.items()},
         "eager_ops": [
             {"op": op, "ms": ms(v)} for op, v in sorted(eager_ops.items(), key=lambda kv: -kv[1])[: top * 2]
+        ],
+        "kernels": [
+            {
+                "name": name,
+                "ms": ms(row["us"]),
+                "calls": round(row["calls"] / steps, 2),
+                "ms_by_phase": {p: ms(v) for p, v in row["phases"].items()},
+            }
+            for name, row in sorted(by_kernel.items(), key=lambda kv: -kv[1]["us"])
         ],
     }
