@@ -73,7 +73,13 @@ def test_every_device_event_is_counted_once_by_name_and_phase():
     from drafter_step import profile_split
 
     split = profile_split(r, top=2)
-    assert split["per_step_ms"] == {"matmul": 0.02, "attention": 0.0, "loss": 0.022, "optimizer": 0.0, "other": 0.0}
+    assert split["per_step_ms"] == {
+        "matmul": 0.02,
+        "attention": 0.0,
+        "loss": 0.022,
+        "optimizer": 0.0,
+        "other": 0.0,
+    }
     assert split["device_ms_per_step"] == 0.042
     assert [(k["name"], k["category"]) for k in split["top_kernels"]] == [
         ("nvjet_mm", "matmul"),
