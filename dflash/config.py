@@ -364,7 +364,8 @@ class PipelineConfig:
     prefetch_depth: Annotated[int, AtLeast1] = 50
     """Data batches each target prefetches (q_pre)."""
     queue_depth: Annotated[int, AtLeast1] = 8
-    """Hidden-state batches in the shared transport (q_hs capacity)."""
+    """Hidden-state batches in the shared transport (q_hs capacity); at least 2 x drafters: each
+    drafter holds the batch it trains and the one queued behind it."""
     max_restarts: Annotated[int, AtLeast0] = 3
     """Drafter-group restarts (torchrun --max-restarts); 0 = none."""
     restart_targets: bool = False
@@ -434,6 +435,15 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "raise it, lower train.num_anchors, or set 0 to derive it",
         )
         problems.append((problem, ("train.block_token_budget", "train.num_anchors", "drafter.block_size")))
+    p = cfg.pipeline
+    if p.queue_depth < 2 * p.drafters:
+        problem = ConfigError(
+            "pipeline.queue_depth",
+            f"({p.queue_depth}) is below 2 x pipeline.drafters ({p.drafters}): each drafter holds two "
+            "batches (the step it trains and the one queued behind it on the GPU), so with fewer slots "
+            f"drafters wait on each other for batches; raise pipeline.queue_depth to at least {2 * p.drafters}",
+        )
+        problems.append((problem, ("pipeline.queue_depth", "pipeline.drafters")))
     if t.lr * t.weight_decay >= 1:
         problem = ConfigError(
             "train.weight_decay",

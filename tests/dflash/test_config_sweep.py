@@ -159,9 +159,11 @@ def test_cross_field_rules():
         ("data.max_seq_len=300",): "train.token_budget",  # 512 once padded; the budget is 2048: fine
         ("train.token_budget=500", "data.max_seq_len=300"): "train.token_budget",
         ("train.weight_decay=1000",): "train.weight_decay",  # lr 3e-3 x 1000 >= 1
+        ("pipeline.drafters=3", "pipeline.queue_depth=5"): "pipeline.queue_depth",  # 2 per drafter
+        ("pipeline.drafters=3", "pipeline.queue_depth=6"): None,
     }
     for overrides, key in cases.items():
-        if overrides == ("data.max_seq_len=300",):
+        if key is None or overrides == ("data.max_seq_len=300",):
             load_config(DEMO, list(overrides))
             continue
         with pytest.raises(ConfigError) as e:
