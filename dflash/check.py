@@ -36,6 +36,7 @@ from dflash.config import (
     read_config_file,
 )
 from dflash.errors import ConfigError, DFlashError
+from dflash.exiting import without_final_gc
 from dflash.rundir import unusable_reason
 
 ENTRY = "dflash.launch"
@@ -299,4 +300,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())

@@ -52,6 +52,8 @@ import sys
 import tempfile
 from typing import Any
 
+from dflash.exiting import without_final_gc
+
 SCHEMA = 1
 
 
@@ -311,4 +313,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with without_final_gc():
+        main()

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.exiting import without_final_gc
 from dflash.rundir import install_dir
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -84,4 +85,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())

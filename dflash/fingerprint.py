@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash.exiting import without_final_gc
+
 FORMAT = 1
 PACKAGE = Path(__file__).resolve().parent
 COMPILED_SOURCES = [
@@ -182,4 +184,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with without_final_gc():
+        main()

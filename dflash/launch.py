@@ -30,6 +30,7 @@ from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
+from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.rundir import (
     SUPERVISOR_ENV,
@@ -234,7 +235,7 @@ class Supervisor:
         torchrun = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "dflash.pipeline.torchrun",
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.cfg.pipeline.drafters}",
             f"--max-restarts={self.cfg.pipeline.max_restarts}",
@@ -638,4 +639,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())

@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config
 from dflash.errors import DFlashError
+from dflash.exiting import without_final_gc
 from dflash.rundir import Heartbeat, RunDir
 
 
@@ -113,4 +114,5 @@ def train(cfg: JobConfig, run: RunDir) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.compile_cache import counters_delta, use_cache_dir
 from dflash.config import add_config_args
+from dflash.exiting import without_final_gc
 from dflash.rundir import atomic_write_json
 
 if TYPE_CHECKING:  # dflash.resolve imports torch: only after main() has pointed inductor at --out
@@ -310,4 +311,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with without_final_gc():
+        main()

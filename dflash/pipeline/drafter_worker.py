@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
@@ -294,4 +295,5 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())

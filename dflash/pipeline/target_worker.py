@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.exiting import without_final_gc
 from dflash.rundir import Heartbeat, RunDir, atomic_write_json
 from dflash.trainer import pad_batch
 
@@ -170,4 +171,5 @@ def run_target(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with without_final_gc():
+        raise SystemExit(main())
