@@ -190,6 +190,9 @@ class Supervisor:
     launched_at: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
     """The data counts (TokenizedDataset.summary) of the data the targets read."""
+    targets_released: bool = False
+    """The drafters trained every step (event drafters_done): the targets were told to stop while
+    the drafter processes and torchrun exit, instead of after them; their exits are no deaths."""
 
     def worker_args(self) -> list[str]:
         sets = set_args(self.overrides)
@@ -278,16 +281,32 @@ class Supervisor:
         for rec in records:
             print(format_status_line(rec), flush=True)
 
-    def repeated_early_failure(self) -> str | None:
-        """The error text when two consecutive drafter-group generations failed with the same error
-        before their first step: deterministic (a bad placement, a checkpoint of another drafter, a
-        broken environment), so a restart cannot help and each would spend the same minutes."""
+    def read_events(self) -> None:
+        """This launch's new events: early drafter errors (see repeated_early_failure), and the
+        drafters' end of training, after which no target batch is needed (release_targets)."""
         records, self.events_offset = read_jsonl_from(self.run.events, self.events_offset)
         for rec in records:
             if rec.get("event") == "worker_error" and rec.get("before_first_step"):
                 gen = rec.get("generation")
                 if isinstance(gen, int):
                     self.early_errors.setdefault(gen, str(rec.get("error", "")))
+            if rec.get("event") == "drafters_done" and not rec.get("stopped_by_signal"):
+                self.release_targets()
+
+    def release_targets(self) -> None:
+        """SIGTERM the targets once the drafters have trained every step: they stop (publishing
+        nothing more) while the drafter processes and torchrun wind down, not one after the other.
+        A drafter group restarted after this resumes from the final checkpoint and trains no step."""
+        if self.targets_released:
+            return
+        self.targets_released = True
+        for proc in self.targets:
+            proc.signal(signal.SIGTERM)
+
+    def repeated_early_failure(self) -> str | None:
+        """The error text when two consecutive drafter-group generations failed with the same error
+        before their first step: deterministic (a bad placement, a checkpoint of another drafter, a
+        broken environment), so a restart cannot help and each would spend the same minutes."""
         for gen, text in self.early_errors.items():
             if gen > 0 and self.early_errors.get(gen - 1) == text:
                 return text
@@ -298,6 +317,7 @@ class Supervisor:
         while True:
             time.sleep(0.5)
             self.echo_metrics()
+            self.read_events()
             repeated = None if self.stopping else self.repeated_early_failure()
             if repeated is not None:
                 self.error = repeated
@@ -309,7 +329,7 @@ class Supervisor:
                 return self.drafters.poll() or 1
             for proc in self.targets:
                 code = proc.poll()
-                if code is None or self.stopping:
+                if code is None or self.stopping or self.targets_released:
                     continue
                 self.run.event("worker_died", worker=proc.name, exit_code=code)
                 if self.cfg.pipeline.restart_targets:
