@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from shared_inputs import seed_runs_root
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "demo-cpu.toml"
@@ -54,7 +56,7 @@ def _warm(tmp_path: Path, out: Path, *sets: str) -> list[dict]:
 
 
 def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.RecordProperty) -> None:
-    runs = f"run.runs_root={tmp_path / 'runs'}"
+    runs = f"run.runs_root={seed_runs_root(tmp_path / 'runs')}"
     warm = _cli(tmp_path, "warm-cache", str(CONFIG), "--python", sys.executable, "--set", runs, "--json")
     assert warm.returncode == 0, warm.stderr[-3000:]
     result = json.loads(warm.stdout.strip().splitlines()[-1])
@@ -127,11 +129,15 @@ def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.R
 def test_compiled_target_is_warmed_and_keyed(tmp_path: Path) -> None:
     """target.compile = true is compiled code of the job too: warm-cache runs the target's forward per
     bucket (unpadded and padded), the key changes with it, and a new process then misses nothing."""
-    sets = ["--set", f"run.runs_root={tmp_path / 'runs'}", "--set", "target.compile=true"]
+    sets = ["--set", f"run.runs_root={seed_runs_root(tmp_path / 'runs')}", "--set", "target.compile=true"]
     cold = _warm(tmp_path, tmp_path / "cache", *sets)
     parts = [(e["part"], e["shape"]["length"]) for e in cold if e["event"] == "shape"]
     lengths = [length for part, length in parts if part == "drafter"]
     assert lengths and parts == [("drafter", n) for n in lengths] + [("target", n) for n in lengths]
+    # The plain config warms a copy of that cache: its drafter graphs are the same, so they load
+    # instead of compiling cold a second time. The key and dynamo's graph count do not depend on
+    # what the cache dir holds.
+    shutil.copytree(tmp_path / "cache", tmp_path / "plain")
     plain = _warm(tmp_path, tmp_path / "plain", *sets[:2])
 
     def first(events: list[dict], kind: str) -> dict:
