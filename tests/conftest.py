@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ REQUIRE_REAL = os.environ.get("DFLASH_REQUIRE_REAL") == "1"
 # targets and warm compile under one thread count: one compile context instead of two (inductor
 # keys CPU graphs by thread count), half the warm time. The tests of the thread rule set their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One directory of prepared job inputs for the whole session (tests/shared_inputs.py), set here, in
+# the first pytest process, so that pytest-xdist's workers inherit it and build them only once.
+os.environ.setdefault("DFLASH_TEST_SHARED_INPUTS", tempfile.mkdtemp(prefix="dflash-test-inputs-"))
 
 
 def _docker_ok() -> bool:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shared_inputs import seed_runs_root
+
 from dflash.launch import kill_process_tree
 
 STARTED: list[subprocess.Popen[str]] = []
@@ -32,7 +34,9 @@ def start_job(
     env: dict[str, str] | None = None,
     config: Path | None = None,
 ) -> subprocess.Popen[str]:
-    """config: the job's TOML (default the demo's)."""
+    """config: the job's TOML (default the demo's). runs_root gets the session's prepared demo
+    inputs first (shared_inputs): the tiny target and the demo corpus are not built again."""
+    seed_runs_root(runs_root)
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from jobs import start_job
+from shared_inputs import seed_runs_root
 
 from dflash.config import load_config, read_config_file
 from dflash.rundir import RunDir
@@ -107,7 +108,7 @@ def test_shipped_config_warms_and_trains_scaled_down(
     repo: Path, tmp_path: Path, config: Path, compile_cache: Path
 ) -> None:
     full = shape_plan(_full(config))
-    runs = tmp_path / "runs"
+    runs = seed_runs_root(tmp_path / "runs")  # the tiny target (the demo's) built once a session
     data = _records(tmp_path / "data.jsonl", 192, 26)
     sets = scaled_overrides(config, data, runs)
     small_cfg = load_config(str(config), sets)

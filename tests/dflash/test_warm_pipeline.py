@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import start_job
+from shared_inputs import seed_runs_root
 
 from dflash import resolve
 from dflash.config import load_config
@@ -93,7 +94,7 @@ def test_warm_cache_serves_the_pipeline_and_the_single_process_job(
     # pipeline drafter 1 (the launcher's), the two states that used to compile different graphs.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("DFLASH_CACHE_DIR", raising=False)
-    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    runs, cache = seed_runs_root(tmp_path / "runs"), tmp_path / "cache"
     t0 = time.monotonic()
     warm = subprocess.run(
         [

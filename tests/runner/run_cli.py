@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared_inputs import seed_runs_root
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.toml")
 SHARED_HOME = Path(tempfile.mkdtemp(prefix="dflash-test-home-"))
@@ -42,6 +44,12 @@ class Cli:
             "COLUMNS": "400",  # rich wraps messages at the terminal width; keep each on one line
             **env,
         }
+
+    def seed_runs_root(self) -> None:
+        """The session's prepared demo inputs in this runs root (tests/shared_inputs.py): a job test's
+        job then builds no tiny target and tokenizes no corpus (the refusal tests' runs roots stay
+        as they are)."""
+        seed_runs_root(self.runs)
 
     def __call__(
         self, *args: str, timeout: float = 600, check: bool = True

@@ -78,6 +78,7 @@ def test_demo_without_tmux_runs_in_the_foreground(tmp_path: Path) -> None:
             if exe.name != "tmux" and not (bin_dir / exe.name).exists():
                 (bin_dir / exe.name).symlink_to(exe)
     cli = Cli(tmp_path, PATH=str(bin_dir))
+    cli.seed_runs_root()
     out = cli("demo", "--steps", "10", "--no-fault", "--runs-root", str(cli.runs), timeout=900)
     assert "launch in foreground" in out.stdout and "demo done: trained 10 steps" in out.stdout, out.stdout
     assert "Traceback" not in out.stdout + out.stderr, out.stderr

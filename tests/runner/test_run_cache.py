@@ -13,6 +13,7 @@ def test_warm_restore_then_reuse(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     cli = Cli(tmp_path, HOME=str(home))  # its own managed caches: nothing there to reuse yet
+    cli.seed_runs_root()
     sets = ["train.total_steps=4", "train.checkpoint_every=4", "run.status_interval_s=1"]
     args = ["--runs-root", str(cli.runs), *[a for s in sets for a in ("--set", s)]]
     cli("run", DEMO, "--backend", "foreground", "--warm", "--name", "wa", *args, timeout=900)
@@ -35,6 +36,7 @@ def test_warm_restore_then_reuse(tmp_path: Path) -> None:
 
 def test_drift_refuses_unless_allowed(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
+    cli.seed_runs_root()
     base = [
         "run",
         DEMO,

@@ -22,6 +22,7 @@ def _inspect(name: str) -> dict:
 
 def test_run_in_docker_then_stop_with_final_checkpoint(tmp_path: Path, base_image: str) -> None:
     cli = Cli(tmp_path)
+    cli.seed_runs_root()
     out = cli(
         "run", DEMO, "--backend", "docker", "--image", base_image, "--venv", str(REPO / ".venv"),
         "--runs-root", str(cli.runs), "--name", "dk", *LONG, "--json",

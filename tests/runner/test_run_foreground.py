@@ -10,6 +10,7 @@ from run_cli import DEMO, Cli, events
 
 def test_foreground_run_completes_and_is_recorded(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
+    cli.seed_runs_root()
     sets = ["train.total_steps=8", "train.checkpoint_every=4", "run.status_interval_s=1"]
     out = cli(
         "run", DEMO, "--backend", "foreground", "--runs-root", str(cli.runs), "--name", "fg",

@@ -15,7 +15,9 @@ VENV = str(REPO / ".venv")
 
 
 def _cli(tmp_path: Path, sshd_server) -> Cli:  # type: ignore[no-untyped-def]
-    return Cli(tmp_path, DFLASH_SSH_OPTS=sshd_server.opts)
+    cli = Cli(tmp_path, DFLASH_SSH_OPTS=sshd_server.opts)
+    cli.seed_runs_root()
+    return cli
 
 
 def _no_masters_left() -> None:

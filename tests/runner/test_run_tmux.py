@@ -67,6 +67,7 @@ def test_run_ps_logs_stop_in_tmux(tmp_path: Path) -> None:
 
 def test_force_stop_kills_every_recorded_process(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
+    cli.seed_runs_root()
     out = cli("run", DEMO, "--runs-root", str(cli.runs), "--name", "fk", *LONG, "--json")
     plan = json.loads(out.stdout.strip().splitlines()[-1])
     run_dir = Path(plan["hosts"][0]["run_dir"])

@@ -87,6 +87,7 @@ def _stop_watch(watch: subprocess.Popen[str], log: Path) -> str:
 
 def test_watch_kill_stop_slow_and_relaunch(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
+    cli.seed_runs_root()
     run_id, run_dir = _launch(cli, "wf", "pipeline.max_restarts=2", "train.checkpoint_every=10")
     log = tmp_path / "watch.log"
     # Steady-state detectors (ETA, throughput) ignore the first warmup_s of a process: 300 s by default.
