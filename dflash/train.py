@@ -75,10 +75,13 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     def finish(done: list[Any]) -> None:
         """Book the steps read back (dflash.trainer.StepAhead keeps one queued ahead)."""
         nonlocal last_status
-        for result, _ in done:
+        for i, (result, _) in enumerate(done):
             meter.add_step(result)
             dft_hb.set("computing", progress=True, step=result.step)
-            if time.time() - last_status >= cfg.run.status_interval_s or result.step == cfg.train.total_steps:
+            # Status on the last step read back by now: two steps read together (a checkpoint or the
+            # last step) would give the second an interval of microseconds and a rate without meaning.
+            interval_over = i == len(done) - 1 and time.time() - last_status >= cfg.run.status_interval_s
+            if interval_over or result.step == cfg.train.total_steps:
                 job.emit_metrics(meter, q_pre=[0], q_hs=[0], step=result.step)
                 last_status = time.time()
             if job.drafter.due_checkpoint(result.step):  # read by the push that queued it

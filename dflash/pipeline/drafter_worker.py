@@ -199,7 +199,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
             ahead; the push that queues a checkpoint step reads it). Their batches are acked only
             now: a batch whose step never completed is redelivered."""
             nonlocal last_status, last_produced
-            for result, done_lease in done:
+            for i, (result, done_lease) in enumerate(done):
                 hs.ack(done_lease)
                 if log_batches:
                     run.event(
@@ -214,7 +214,10 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                     )
                 meter.add_step(group_result(g, result))
                 hb.set("computing", progress=True, step=result.step)
-                due = time.time() - last_status >= cfg.run.status_interval_s or result.step == total
+                # Status on the last step read back by now (two read together would give the second
+                # an interval of microseconds and a rate without meaning), and on the last step.
+                interval_over = i == len(done) - 1 and time.time() - last_status >= cfg.run.status_interval_s
+                due = interval_over or result.step == total
                 if due and g.local_rank == 0:
                     stats = hs.stats()
                     meter.add_target(stats["produced"] - last_produced)
