@@ -62,12 +62,19 @@ def _hold(run_dir: Path, procs: list[subprocess.Popen[str]]) -> subprocess.Popen
     return p
 
 
+def _sigint_default() -> None:
+    # As in a terminal's foreground job: a suite started in the background (`cmd &` in a script)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler in the child.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _follow(cli: Cli, ref: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "runner.cli", "logs", ref, "--follow", "-n", "1"],
         env=cli.env,
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_default,
     )
 
 
