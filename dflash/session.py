@@ -348,8 +348,8 @@ class DrafterSide:
         new = self.compiles.is_new(shape)
         before = compile_counters() if new else {}
         done = self.ahead.push(input_ids, loss_mask, seq_lens, hidden, tag=tag, read_now=new)
-        if new and self.ahead.pending_result is not None:
-            self.compiles.around_step(shape, self.ahead.pending_result.seconds, before)
+        if new and self.ahead.read_now_result is not None:  # also when a drain returned it already
+            self.compiles.around_step(shape, self.ahead.read_now_result.seconds, before)
         self.guard.check()
         return done
 

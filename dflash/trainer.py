@@ -328,6 +328,8 @@ class StepAhead:
     def __init__(self, trainer: DrafterTrainer, *, drain: Callable[[int], bool] = lambda step: False) -> None:
         self.trainer, self.drain = trainer, drain
         self._pending: tuple[QueuedStep, Any, StepResult | None] | None = None
+        self.read_now_result: StepResult | None = None
+        """The step the last push read at once (read_now), whether or not it was returned yet."""
 
     @property
     def pending_result(self) -> StepResult | None:
@@ -346,7 +348,7 @@ class StepAhead:
     ) -> list[tuple[StepResult, Any]]:
         """Queue a step; return the steps read by this call, oldest first, each with its tag."""
         q = self.trainer.queue_step(input_ids_BL, loss_mask_BL, seq_lens_B, target_hidden_BLF)
-        now = self.trainer.read_step(q) if read_now else None
+        now = self.read_now_result = self.trainer.read_step(q) if read_now else None
         done = self.flush()
         self._pending = (q, tag, now)
         if self.drain(q.step):
