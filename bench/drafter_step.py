@@ -209,13 +209,16 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     ahead = StepAhead(trainer)
 
     def steps(n: int) -> list[Any]:
-        done = [r for _ in range(n) for r, _ in ahead.push(**batch)]
-        return done + [r for r, _ in ahead.flush()]
+        return [r for _ in range(n) for r, _ in ahead.push(**batch)]
 
+    # Timed in the job's steady state: the job's loop drains its queue only at a checkpoint or the
+    # last step, so the warm-up leaves its last step queued, and the clock runs from one step's
+    # read-back to the read-back n steps later (n whole steps of device time, none of the refill
+    # after a drain: that is drain_ms below).
     t0 = time.perf_counter()
-    steps(args.warmup)
+    steps(max(1, args.warmup))
     warm_s = time.perf_counter() - t0
-    # The anchors the first timed step will sample (same generator state), for the FLOP count.
+    # The anchors of a timed step (the next one sampled from the same generator), for the FLOP count.
     gen = torch.Generator().manual_seed(0)
     gen.set_state(trainer.anchor_gen.get_state())
     anchors_BA = sample_anchors(
@@ -223,19 +226,25 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     )
     flops = step_flops(trainer.spec, args.batch, args.seq_len, anchors_BA, batch["seq_lens_B"])
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    results = steps(args.steps)  # the last one read back ends the timing
+    results = steps(args.steps)  # each push reads back the step queued before it
+    dt = (time.perf_counter() - t0) / args.steps
+    results += [r for r, _ in ahead.flush()]
     if cuda:
         torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
+    # What a drain costs (a checkpoint step, the last step): one step pushed and read at once, the
+    # device idle before it and the host launching while it runs.
+    t1 = time.perf_counter()
+    results += [r for r, _ in ahead.push(**batch, read_now=True)] + [r for r, _ in ahead.flush()]
+    drain_ms = (time.perf_counter() - t1) * 1000
     tflops = flops["total"] / dt / 1e12
     res: dict[str, Any] = {
         "backend": backend,
         "fused_loss": trainer.fused_loss,
         "compile": cfg.attention.compile,
         "step_ms": dt * 1000,
+        "drain_step_ms": drain_ms,
         "warmup_s": warm_s,
         "seq_tokens_per_s": args.batch * args.seq_len / dt,
         "block_tokens_per_s": anchors_BA.numel() * trainer.spec.block_size / dt,
@@ -253,10 +262,12 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        steps(1)  # steady state in the window too: a step already queued when it opens
         with profile(activities=activities) as prof:
-            steps(args.profile_steps)
+            steps(args.profile_steps)  # launches profile_steps steps, the last one still queued
             if cuda:
                 torch.cuda.synchronize()
+        ahead.flush()
         trace = trace_report(prof, args.profile_steps) if cuda else {}
         res["profile"] = (
             profile_split(trace, top=40) | {"trace": {k: v for k, v in trace.items() if k != "kernels"}}
