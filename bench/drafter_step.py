@@ -389,6 +389,10 @@ def main() -> None:
                     print(
                         f"     gap {g['ms']:.2f} ms ({g['phase']}) before {g['launched_by']}: {g['host_during']}"
                     )
+                for w in tr.get("host_waits", [])[:8]:
+                    print(
+                        f"     host wait {w['ms']:.2f} ms/step x{w['calls']} {w['call']} in {w['in']} ({w['phase']})"
+                    )
     print(f"wrote {args.out}")
 
 

@@ -11,7 +11,10 @@ Three things bench/drafter_step.py --profile cannot see from kernel totals alone
     time of compiled code (launched inside a compiled region) and of eager ops;
   - the eager kernels by the op that launched them: what is left outside torch.compile;
   - every kernel by name, with its device time per phase (each device event counted once: the
-    profiler's own per-op kernel lists counted some kernels many times over).
+    profiler's own per-op kernel lists counted some kernels many times over);
+  - host waits: runtime or driver calls that took long on the host (cudaStreamSynchronize,
+    cudaEventSynchronize, a blocking copy, an allocation that synchronizes), by call, the host op
+    they ran in and the phase: the waits that leave the device idle behind the host afterwards.
 
 Pure Python over the trace's events (no torch), so its tests run on any machine.
 """
@@ -29,6 +32,8 @@ PHASE_PREFIX = "dflash."
 COMPILED_MARKS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFxGraph")
 GAP_MIN_US = 5.0
 """Idle stretches shorter than this are launch latency, not gaps."""
+HOST_WAIT_MIN_US = 200.0
+"""A runtime or driver call this long on the host waited for something (a launch takes microseconds)."""
 
 
 def _enclosing(ops: list[tuple[float, float, str]], queries: list[tuple[float, int]]) -> dict[int, list[str]]:
@@ -58,7 +63,9 @@ def _innermost_op(stack: list[str]) -> str:
     return "(no host op)"
 
 
-def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
+def analyse(
+    trace: dict[str, Any], steps: int, top: int = 15, wait_min_us: float = HOST_WAIT_MIN_US
+) -> dict[str, Any]:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in DEVICE_CATS]
     if not kernels:
@@ -149,6 +156,22 @@ def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
         by_op[g["launched_by"]] += g["us"]
         by_phase[g["phase"]] += g["us"]
 
+    # Host calls into the CUDA runtime/driver that took long: a wait for the device (a sync, an
+    # event wait, a blocking copy, an allocation that synchronizes), by call and the host op it was in.
+    waits: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    wait_queries: dict[Any, list[tuple[float, int]]] = defaultdict(list)
+    slow = [e for e in events if e.get("cat") in LAUNCH_CATS and float(e.get("dur", 0.0)) >= wait_min_us]
+    for n, e in enumerate(slow):
+        wait_queries[e["tid"]].append((float(e["ts"]), n))
+    wait_stacks: dict[int, list[str]] = {}
+    for tid, qs in wait_queries.items():
+        wait_stacks.update(_enclosing(host_by_tid.get(tid, []), qs))
+    for n, e in enumerate(slow):
+        stack = [name for name in wait_stacks.get(n, []) if not name.startswith(PHASE_PREFIX)]
+        row = waits[(e["name"], " > ".join(stack[-3:]) or "(no host op)", phase_at(float(e["ts"])))]
+        row[0] += float(e["dur"])
+        row[1] += 1
+
     def ms(us: float) -> float:
         return round(us / 1000.0 / steps, 3)
 
@@ -168,6 +191,10 @@ def analyse(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
                 "host_during": g.get("host_during", []),
             }
             for g in ranked_gaps
+        ],
+        "host_waits": [
+            {"call": call, "in": where, "phase": phase, "ms": ms(v[0]), "calls": round(v[1] / steps, 2)}
+            for (call, where, phase), v in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]
         ],
         "phases": {p: {k: ms(v) for k, v in d.items()} for p, d in per_phase.items()},
         "eager_ops": [

@@ -27,6 +27,7 @@ TRACE = {
         _x("cuda_runtime", "cudaLaunchKernel", 12, 2, correlation=1),
         _x("kernel", "nvjet_mm", 30, 10, tid=7, correlation=1),
         _x("cpu_op", "aten::nonzero", 45, 80),  # the host waits in here until the device is done
+        _x("cuda_runtime", "cudaStreamSynchronize", 50, 70),
         _x("cpu_op", "Torch-Compiled Region: 0/0", 130, 30),
         _x("cuda_driver", "cuLaunchKernelEx", 135, 2, correlation=2),
         _x("kernel", "triton_red_fused_loss", 150, 20, tid=7, correlation=2),
@@ -52,6 +53,21 @@ def test_device_time_is_split_by_phase_into_compiled_eager_and_unlinked():
     assert r["phases"]["forward"] == {"compiled": 0.0, "eager": 0.005, "unlinked": 0.0}
     assert r["phases"]["loss"] == {"compiled": 0.01, "eager": 0.0, "unlinked": 0.001}
     assert r["eager_ops"] == [{"op": "aten::mm", "ms": 0.005}]
+
+
+def test_host_waits_name_the_call_the_op_it_ran_in_and_the_phase():
+    r = analyse(TRACE, steps=2, wait_min_us=50)
+    assert r["host_waits"] == [
+        {
+            "call": "cudaStreamSynchronize",
+            "in": "aten::nonzero",
+            "phase": "forward",
+            "ms": 0.035,
+            "calls": 0.5,
+        }
+    ]
+    # The launches (2 us each) are no waits; by default only calls of 200 us or more are.
+    assert analyse(TRACE, steps=1)["host_waits"] == []
 
 
 def test_a_trace_without_kernels_reports_nothing():
