@@ -90,6 +90,28 @@ def position_weights(block_size: int, gamma: float, device: torch.device | None 
     return torch.where(k_K > 0, torch.exp(-(k_K - 1) / gamma), 0.0)
 
 
+class HostCopy:
+    """A device tensor on its way to the host: the copy is queued now, right behind the work that
+    made the tensor and ahead of anything queued later, into pinned memory. `get()` then waits for
+    that point of the device's queue only, not for the work queued after it. On the CPU it is the
+    tensor itself."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._event: Any = None
+        if x.device.type == "cuda":
+            self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self._host.copy_(x, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = x
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
 @dataclass(slots=True)
 class LossOutput:
     loss: torch.Tensor
@@ -99,21 +121,40 @@ class LossOutput:
     counts_K: torch.Tensor
     """Trained positions per block position, on the device."""
     _host: tuple[list[float], list[float]] | None = None
+    _copy: HostCopy | None = None
 
-    def read_with(self, *extra: torch.Tensor) -> list[float]:
-        """Read the accuracy counts to the host together with `extra` scalars, in one transfer (the
-        trainer's one wait per step, after the optimizer step); returns the extras' values."""
+    def _values(self, *extra: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.hits_K.float(), self.counts_K.float(), *(x.float().reshape(1) for x in extra)])
+
+    def _split(self, host: list[float]) -> list[float]:
         K = self.hits_K.numel()
-        values = torch.cat(
-            [self.hits_K.float(), self.counts_K.float(), *(x.float().reshape(1) for x in extra)]
-        )
-        host = values.tolist()
         self._host = (host[:K], host[K : 2 * K])
         return host[2 * K :]
 
+    def start_read(self, *extra: torch.Tensor) -> None:
+        """Queue the copy to the host of the accuracy counts and `extra` scalars now (the trainer
+        calls it right after queuing the optimizer step); `read_started` returns the extras. With
+        the next step queued behind it, a read at the time of use (`read_with`) would wait for that
+        step too: the device then idles while the host queues the step after (bench/drafter_step.py's
+        host waits, docs/BENCHMARKS.md)."""
+        self._copy = HostCopy(self._values(*extra))
+
+    def read_started(self) -> list[float]:
+        """The values of `start_read`'s copy (waits for the device to reach it); its extras."""
+        assert self._copy is not None, "start_read first"
+        copy, self._copy = self._copy, None
+        return self._split(copy.get().tolist())
+
+    def read_with(self, *extra: torch.Tensor) -> list[float]:
+        """Read the accuracy counts to the host together with `extra` scalars, in one transfer, at
+        the time of the call; returns the extras' values."""
+        return self._split(self._values(*extra).tolist())
+
     def _read(self) -> tuple[list[float], list[float]]:
         """(hits, counts) on the host, read the first time a metric is read."""
-        if self._host is None:
+        if self._host is None and self._copy is not None:
+            self.read_started()
+        elif self._host is None:
             self.read_with()
         assert self._host is not None
         return self._host
@@ -280,19 +321,10 @@ class HostCount:
     host gaps in the 8B step on the H200, docs/BENCHMARKS.md)."""
 
     def __init__(self, count: torch.Tensor) -> None:
-        self._event: Any = None
-        if count.device.type == "cuda":
-            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            self._host.copy_(count, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = count
+        self._copy = HostCopy(count)
 
     def get(self) -> int:
-        if self._event is not None:
-            self._event.synchronize()
-        return int(self._host)
+        return int(self._copy.get())
 
 
 def trained_count(valid_BAK: torch.Tensor) -> HostCount:

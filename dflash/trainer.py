@@ -266,11 +266,15 @@ class DrafterTrainer:
             grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.train.grad_clip)
             self.scheduler.step()
         self.step += 1
+        # The step's metrics start for the host now, behind this step's work and ahead of the next
+        # step's: reading them (read_step) waits for this step only.
+        out.start_read(out.loss.detach(), grad_norm, seq_lens_B.sum())
         return QueuedStep(self.step, out, grad_norm, seq_lens_B, lr, noise, t0)
 
     def read_step(self, q: QueuedStep) -> StepResult:
-        """The queued step's metrics: the step's one wait for the device."""
-        loss, grad_norm, tokens = q.out.read_with(q.out.loss.detach(), q.grad_norm, q.seq_lens_B.sum())
+        """The queued step's metrics: the step's one wait for the device, for this step's end (not for
+        a step queued after it)."""
+        loss, grad_norm, tokens = q.out.read_started()
         return StepResult(
             step=q.step,
             loss=loss,
