@@ -212,9 +212,13 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         return [r for _ in range(n) for r, _ in ahead.push(**batch)]
 
     # Timed in the job's steady state: the job's loop drains its queue only at a checkpoint or the
-    # last step, so the warm-up leaves its last step queued, and the clock runs from one step's
-    # read-back to the read-back n steps later (n whole steps of device time, none of the refill
-    # after a drain: that is drain_ms below).
+    # last step, so the warm-up leaves its last step queued. On the GPU the clock is two CUDA events
+    # on the step's stream, one behind the last warm-up step's work and one behind the n-th timed
+    # step's: n whole steps of the device's timeline, idle gaps included, none of the refill after a
+    # drain (that is drain_ms below). Host clocks around the pushes are not: a push returns when
+    # the step before it has been read back, plus however long the host then took to queue the rest
+    # of its own step, which differs from push to push (the first fix of this bench timed 222.5 ms
+    # for a step whose kernels alone take 262 ms).
     t0 = time.perf_counter()
     steps(max(1, args.warmup))
     warm_s = time.perf_counter() - t0
@@ -227,12 +231,17 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     flops = step_flops(trainer.spec, args.batch, args.seq_len, anchors_BA, batch["seq_lens_B"])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # behind the queued warm-up step
     t0 = time.perf_counter()
     results = steps(args.steps)  # each push reads back the step queued before it
+    if cuda:
+        end.record()  # behind the last timed step
     dt = (time.perf_counter() - t0) / args.steps
     results += [r for r, _ in ahead.flush()]
     if cuda:
         torch.cuda.synchronize()
+        dt = start.elapsed_time(end) / 1000 / args.steps
     # What a drain costs (a checkpoint step, the last step): one step pushed and read at once, the
     # device idle before it and the host launching while it runs.
     t1 = time.perf_counter()
