@@ -69,7 +69,7 @@ def analyse(
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in DEVICE_CATS]
     if not kernels:
-        return {"gaps_ms_per_step": 0.0, "top_gaps": [], "phases": {}, "eager_ops": []}
+        return {"gaps_ms_per_step": 0.0, "top_gaps": [], "phases": {}, "eager_ops": [], "host_waits": []}
     launches = {
         e["args"]["correlation"]: e
         for e in events

@@ -102,7 +102,7 @@ class HostCopy:
             self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             self._host.copy_(x, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(x.device))
         else:
             self._host = x
 
@@ -122,6 +122,7 @@ class LossOutput:
     """Trained positions per block position, on the device."""
     _host: tuple[list[float], list[float]] | None = None
     _copy: HostCopy | None = None
+    _extras: list[float] | None = None
 
     def _values(self, *extra: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.hits_K.float(), self.counts_K.float(), *(x.float().reshape(1) for x in extra)])
@@ -140,10 +141,13 @@ class LossOutput:
         self._copy = HostCopy(self._values(*extra))
 
     def read_started(self) -> list[float]:
-        """The values of `start_read`'s copy (waits for the device to reach it); its extras."""
-        assert self._copy is not None, "start_read first"
-        copy, self._copy = self._copy, None
-        return self._split(copy.get().tolist())
+        """The values of `start_read`'s copy (waits for the device to reach it the first time); its
+        extras. Any number of calls, before or after a metric is read."""
+        if self._copy is not None:
+            copy, self._copy = self._copy, None
+            self._extras = self._split(copy.get().tolist())
+        assert self._extras is not None, "start_read first"
+        return self._extras
 
     def read_with(self, *extra: torch.Tensor) -> list[float]:
         """Read the accuracy counts to the host together with `extra` scalars, in one transfer, at

@@ -221,3 +221,32 @@ def test_trained_count_started_early_gives_the_same_loss_and_metrics():
     (a, ga), (b, gb) = outs
     assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
     assert a.tokens == b.tokens == int(valid.sum()) and a.acc_per_pos == b.acc_per_pos
+
+
+def test_metrics_started_for_the_host_read_the_same_in_any_order():
+    """The trainer starts a step's metrics for the host when it queues the step (start_read) and
+    reads them later (read_started): the values are those of a read at the time of use, whether a
+    metric is read first or read_started is called more than once."""
+    torch.manual_seed(6)
+    B, A, K, H, V = 2, 4, 5, 8, 13
+    labels = torch.randint(0, V, (B, A, K))
+    valid = torch.rand(B, A, K) > 0.4
+    valid[..., 0] = False
+    head, hidden = torch.randn(V, H), torch.randn(B, A, K, H)
+    extra = (torch.tensor(2.5), torch.tensor(7))
+
+    def loss():
+        return dflash_loss(hidden, head, labels, valid, 7.0, 4)
+
+    now = loss()
+    want = now.read_with(*extra)
+    assert want == [2.5, 7.0]
+    metric_first = loss()
+    metric_first.start_read(*extra)
+    assert metric_first.acc_per_pos == now.acc_per_pos and metric_first.tokens == int(valid.sum())
+    assert metric_first.read_started() == want and metric_first.read_started() == want
+    read_first = loss()
+    read_first.start_read(*extra)
+    assert read_first.read_started() == want and read_first.acc == now.acc and read_first.streak == now.streak
+    with pytest.raises(AssertionError, match="start_read first"):
+        loss().read_started()

@@ -68,6 +68,37 @@ def test_host_waits_name_the_call_the_op_it_ran_in_and_the_phase():
     ]
     # The launches (2 us each) are no waits; by default only calls of 200 us or more are.
     assert analyse(TRACE, steps=1)["host_waits"] == []
+    # Waits with the same call and place add up across threads and steps, the longest first; the
+    # place is the last three host ops (phase ranges left out), on the wait's own thread.
+    deep = ["dflash.optimizer", "Optimizer.step", "aten::_fused_adamw_", "aten::copy_", "aten::item"]
+    trace = {
+        "traceEvents": [
+            _x("user_annotation", "dflash.optimizer", 0, 1000),
+            *[_x("cpu_op", name, 10 + i, 900 - 2 * i, tid=2) for i, name in enumerate(deep[1:])],
+            _x("cuda_runtime", "cudaStreamSynchronize", 100, 300, tid=2),
+            _x("cuda_runtime", "cudaStreamSynchronize", 500, 250, tid=2),
+            _x("cpu_op", "aten::nonzero", 10, 900, tid=3),
+            _x("cuda_runtime", "cudaMemcpyAsync", 20, 600, tid=3),
+            _x("cuda_runtime", "cudaMemcpyAsync", 700, 199, tid=3),  # under 200 us: no wait
+            _x("kernel", "k", 0, 1, tid=7, correlation=1),
+        ]
+    }
+    assert analyse(trace, steps=1)["host_waits"] == [
+        {
+            "call": "cudaMemcpyAsync",
+            "in": "aten::nonzero",
+            "phase": "optimizer",
+            "ms": 0.6,
+            "calls": 1.0,
+        },
+        {
+            "call": "cudaStreamSynchronize",
+            "in": "aten::_fused_adamw_ > aten::copy_ > aten::item",
+            "phase": "optimizer",
+            "ms": 0.55,
+            "calls": 2.0,
+        },
+    ]
 
 
 def test_a_trace_without_kernels_reports_nothing():
