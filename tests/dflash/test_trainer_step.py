@@ -3,6 +3,7 @@ waits for the device before its optimizer update (checked for real on the GPU)."
 
 from __future__ import annotations
 
+import math
 import traceback
 import warnings
 from pathlib import Path
@@ -203,3 +204,25 @@ def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(re
     assert r.step == 2 and r.tokens == B * S and 0 < r.block_tokens <= B * 64 * (spec.block_size - 1)
     assert r.loss < first.loss + 1.0 and r.grad_norm > 0 and 0 <= r.acc <= 1
     assert len(r.acc_per_pos) == spec.block_size - 1
+
+
+@pytest.mark.gpu
+def test_reading_a_step_waits_for_that_step_only(repo):
+    """read_step waits for its own step's end, not for work queued on the device after it (StepAhead
+    queues the next step before reading this one: a read that waited for it lost the lead; H200 run
+    of 2026-12-02 in docs/BENCHMARKS.md). About a second of device sleep behind the step is still
+    running when the read returns."""
+    dev = torch.device("cuda")
+    trainer, spec = _trainer(repo, dev, torch.bfloat16)
+    (batch,) = _batches(spec, 1, torch.bfloat16)
+    trainer.train_step(*batch)  # compiles
+    torch.cuda.synchronize()
+    queued = trainer.queue_step(*batch)
+    torch.cuda._sleep(int(2e9))  # clock cycles: about 1 s at the H200's 1.98 GHz
+    after = torch.cuda.Event()
+    after.record()
+    r = trainer.read_step(queued)
+    still_running = not after.query()
+    torch.cuda.synchronize()
+    assert still_running, "reading the step waited for the work queued after it"
+    assert r.step == 2 and math.isfinite(r.loss)
