@@ -122,9 +122,9 @@ def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
     """(spec, device, backend, target_path): the drafter side's own resolution, so keys match training."""
     from transformers import AutoConfig
 
-    from dflash.model import resolve_spec
     from dflash.resolve import resolve_backend, resolve_device
     from dflash.session import resolve_target
+    from dflash.spec import resolve_spec
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)

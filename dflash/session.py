@@ -190,7 +190,7 @@ def resolve_drafter_spec(cfg: JobConfig, parts: DataParts) -> Any:
     """The drafter's resolved sizes and target layers, from the target's config alone (no weights)."""
     from transformers import AutoConfig
 
-    from dflash.model import resolve_spec
+    from dflash.spec import resolve_spec
 
     return resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
 
