@@ -95,5 +95,22 @@ def _isolated_environ():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _dynamo_recompile_limit_restored():
+    """A trainer sets dynamo's process-wide recompile limit from its shape plan (shapes.
+    apply_recompile_limit: one job per process in real runs). Built in the pytest process, it must
+    not pass its limit on to later tests there: a lower one made a later flex compile hit it."""
+    before = sys.modules.get("torch._dynamo")
+    saved = before.config.recompile_limit if before is not None else DYNAMO_DEFAULT_RECOMPILE_LIMIT
+    yield
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.config.recompile_limit = saved
+
+
+DYNAMO_DEFAULT_RECOMPILE_LIMIT = 8
+"""torch._dynamo.config.recompile_limit's default (torch 2.10-2.13)."""
+
+
 from docker_base import base_image  # noqa: E402,F401  (fixtures shared across test files)
 from sshd import sshd, sshd_server  # noqa: E402,F401
