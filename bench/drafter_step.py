@@ -231,11 +231,11 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     results = steps(args.steps)  # each push reads back the step queued before it
     if cuda:
         end.record()  # behind the last timed step
-    dt = (time.perf_counter() - t0) / args.steps
+    host_s = time.perf_counter() - t0
     results += [r for r, _ in ahead.flush()]
     if cuda:
         torch.cuda.synchronize()
-        dt = start.elapsed_time(end) / 1000 / args.steps
+    dt = (start.elapsed_time(end) / 1000 if cuda else host_s) / args.steps
     # The anchors of the first timed step (the same generator state), for the FLOP count; counted
     # here, after the window: it copies them to the host, which would wait for the queued step.
     gen = torch.Generator().manual_seed(0)

@@ -314,26 +314,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
-class HostCount:
-    """A count on the device, copied to the host without waiting for anything queued after it.
+def trained_count(valid_BAK: torch.Tensor) -> HostCopy:
+    """The batch's trained block positions, on its way to the host.
 
-    The trainer counts the batch's trained block positions from the labels, before it queues the
-    forward; the copy is queued right behind that count. The loss reads it after the forward is
-    queued: by then the device has long done the copy (it runs in queue order, ahead of the forward),
-    so the read waits for nothing. Reading the count where the loss needs it, as `nonzero` did, waits
+    The trainer counts them from the labels before it queues the forward; the copy is queued right
+    behind that count. The loss reads it after the forward is queued, so the read waits only for the
+    count, never for the forward. Reading the count where the loss needs it, as `nonzero` did, waits
     for the whole forward: the GPU then idles while the host queues the rest of the step (13 ms of
     host gaps in the 8B step on the H200, docs/BENCHMARKS.md)."""
-
-    def __init__(self, count: torch.Tensor) -> None:
-        self._copy = HostCopy(count)
-
-    def get(self) -> int:
-        return int(self._copy.get())
-
-
-def trained_count(valid_BAK: torch.Tensor) -> HostCount:
-    """The batch's trained block positions, on its way to the host (see HostCount)."""
-    return HostCount(valid_BAK.sum())
+    return HostCopy(valid_BAK.sum())
 
 
 def dflash_loss(
@@ -345,7 +334,7 @@ def dflash_loss(
     chunk_tokens: int = 8192,
     *,
     fused: bool = False,
-    trained: HostCount | None = None,
+    trained: HostCopy | None = None,
 ) -> LossOutput:
     """Weighted cross-entropy over trained block positions through the frozen head, in chunks of
     `chunk_tokens` with the gradient taken in the forward pass (see _HeadCrossEntropy). fused=True
@@ -358,7 +347,7 @@ def dflash_loss(
     B, A, K, H = hidden_BAKH.shape
     dev = hidden_BAKH.device
     w_K = position_weights(K, gamma, dev)
-    n = (trained or trained_count(valid_BAK)).get()
+    n = int((trained or trained_count(valid_BAK)).get())
     valid_N = valid_BAK.reshape(-1)
     # The valid indices in ascending order, as nonzero gives them, with their count known: a stable
     # sort puts the valid rows first.

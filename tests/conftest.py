@@ -95,6 +95,10 @@ def _isolated_environ():
     os.environ.update(saved)
 
 
+DYNAMO_DEFAULT_RECOMPILE_LIMIT = 8
+"""torch._dynamo.config.recompile_limit's default (torch 2.10-2.13)."""
+
+
 @pytest.fixture(autouse=True)
 def _dynamo_recompile_limit_restored():
     """A trainer sets dynamo's process-wide recompile limit from its shape plan (shapes.
@@ -106,10 +110,6 @@ def _dynamo_recompile_limit_restored():
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.config.recompile_limit = saved
-
-
-DYNAMO_DEFAULT_RECOMPILE_LIMIT = 8
-"""torch._dynamo.config.recompile_limit's default (torch 2.10-2.13)."""
 
 
 from docker_base import base_image  # noqa: E402,F401  (fixtures shared across test files)
