@@ -132,7 +132,15 @@ def profile_split(trace: dict[str, Any], top: int = 25) -> dict[str, Any]:
             cats[cat] = cats.get(cat, 0.0) + ms
             split[cat] += ms
         main = max(cats, key=lambda c: cats[c]) if cats else "other"
-        rows.append({"name": k["name"][:160], "category": main, "ms": k["ms"], "calls": k["calls"]})
+        rows.append(
+            {
+                "name": k["name"][:160],
+                "category": main,
+                "ms": k["ms"],
+                "calls": k["calls"],
+                "ms_by_phase": {p: round(v, 3) for p, v in k["ms_by_phase"].items()},
+            }
+        )
     return {
         "per_step_ms": {k: round(v, 3) for k, v in split.items()},
         "device_ms_per_step": round(sum(split.values()), 3),
@@ -281,7 +289,7 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         ahead.flush()
         trace = trace_report(prof, args.profile_steps) if cuda else {}
         res["profile"] = (
-            profile_split(trace, top=40) | {"trace": {k: v for k, v in trace.items() if k != "kernels"}}
+            profile_split(trace, top=args.profile_top) | {"trace": {k: v for k, v in trace.items() if k != "kernels"}}
             if cuda
             else {
                 "cpu_top": [
@@ -322,6 +330,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="profile and split the step's device time")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-top", type=int, default=40, help="kernels listed in the profile, by device time")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on CPU (smoke run)")
     ap.add_argument(
