@@ -289,7 +289,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         ahead.flush()
         trace = trace_report(prof, args.profile_steps) if cuda else {}
         res["profile"] = (
-            profile_split(trace, top=args.profile_top) | {"trace": {k: v for k, v in trace.items() if k != "kernels"}}
+            profile_split(trace, top=args.profile_top)
+            | {"trace": {k: v for k, v in trace.items() if k != "kernels"}}
             if cuda
             else {
                 "cpu_top": [
@@ -330,7 +331,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="profile and split the step's device time")
     ap.add_argument("--profile-steps", type=int, default=3)
-    ap.add_argument("--profile-top", type=int, default=40, help="kernels listed in the profile, by device time")
+    ap.add_argument(
+        "--profile-top", type=int, default=40, help="kernels listed in the profile, by device time"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on CPU (smoke run)")
     ap.add_argument(
