@@ -28,6 +28,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DFLASH_TEST_SHARED_INPUTS", tempfile.mkdtemp(prefix="dflash-test-inputs-"))
 
 
+def _session_cxx_cache() -> None:
+    """Inductor's C++ compiles through tests/cxx_cache.py for the session (it says why), set up in
+    the first pytest process like the shared inputs, so xdist's workers and every job process a
+    test starts inherit it."""
+    if os.environ.get("DFLASH_TEST_CXX_CACHE") == "off" or "DFLASH_TEST_CXX" in os.environ:
+        return
+    real = shutil.which(os.environ.get("CXX") or "g++")
+    if real is None:
+        return
+    root = Path(tempfile.mkdtemp(prefix="dflash-test-cxx-"))
+    wrapper = root / "bin" / "g++"  # named g++: inductor picks gcc's flags by the compiler's name
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{REPO / "tests" / "cxx_cache.py"}" "$@"\n')
+    wrapper.chmod(0o755)
+    os.environ.update(DFLASH_TEST_CXX=real, DFLASH_TEST_CXX_CACHE=str(root / "objects"), CXX=str(wrapper))
+
+
+_session_cxx_cache()
+
+
 def _docker_ok() -> bool:
     if not shutil.which("docker"):
         return False
