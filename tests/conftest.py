@@ -38,7 +38,8 @@ def _session_cxx_cache() -> None:
     if real is None:
         return
     root = Path(tempfile.mkdtemp(prefix="dflash-test-cxx-"))
-    wrapper = root / "bin" / "g++"  # named g++: inductor picks gcc's flags by the compiler's name
+    # Named as the real compiler (g++, clang++): inductor picks its flags by the compiler's name.
+    wrapper = root / "bin" / Path(real).name
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{REPO / "tests" / "cxx_cache.py"}" "$@"\n')
     wrapper.chmod(0o755)

@@ -11,8 +11,8 @@ header. A second identical compile copies the object instead of running g++; ind
 misses, generates, compiles (through here) and loads as it does cold. Anything else (version probes,
 `-E`, precompiled headers) runs the real compiler untouched.
 
-conftest.py points CXX at a `g++` script that runs this file (inductor reads CXX, and tells gcc
-by that name) and the cache at a session temp dir (DFLASH_TEST_CXX_CACHE); DFLASH_TEST_CXX names
+conftest.py points CXX at a script named as the real compiler (`g++`) that runs this file
+(inductor reads CXX, and tells gcc from clang by that name) and the cache at a session temp dir (DFLASH_TEST_CXX_CACHE); DFLASH_TEST_CXX names
 the real compiler. DFLASH_TEST_CXX_CACHE=off runs the tests without it. Product code never uses it:
 the job and the runner compile with whatever CXX the user has.
 """
