@@ -161,10 +161,9 @@ def register(app: typer.Typer) -> None:
                     )
                 if not as_json:
                     console.print(f"[green]started[/] {plan.run_id}", highlight=False)
-                    console.print(
-                        f"  dflashctl ps | dflashctl logs {shlex.quote(plan.run_id)} --follow | "
-                        f"dflashctl attach {plan.run_id} | dflashctl stop {plan.run_id}",
-                        highlight=False,
-                    )
+                    rid = shlex.quote(plan.run_id)
+                    # One command a line, never wrapped: each is copied as it is.
+                    for verb in ("ps", f"logs {rid} --follow", f"attach {rid}", f"stop {rid}"):
+                        console.print(f"  dflashctl {verb}", highlight=False, soft_wrap=True)
         if code:
             raise typer.Exit(code)
