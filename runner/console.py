@@ -12,9 +12,9 @@ from rich.markup import escape
 from runner.errors import RunnerError
 
 console = Console()
-err_console = Console(stderr=True)
-"""Errors and warnings are printed soft-wrapped (one line per message at any terminal width): a path
-or command in them stays whole for copying and for grep."""
+err_console = Console(stderr=True, soft_wrap=True)
+"""Errors, warnings and notes, soft-wrapped: one line per message at any terminal width, so a path or
+command in them stays whole for copying and for grep."""
 
 
 @contextlib.contextmanager
@@ -23,7 +23,7 @@ def cli_errors() -> Iterator[None]:
         yield
     except RunnerError as e:
         # Escaped: messages quote config sections like "[cache] signing_key", which rich would eat.
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
     except OSError as e:
         # The last net under every verb: a path the library did not expect to fail (a file where a
@@ -33,10 +33,9 @@ def cli_errors() -> Iterator[None]:
             f"[bold red]error:[/] {escape(where + (e.strerror or str(e)))}; check that path "
             "(its kind, owner and permissions) and the free space there",
             highlight=False,
-            soft_wrap=True,
         )
         raise typer.Exit(1) from None
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
