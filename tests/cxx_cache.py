@@ -11,10 +11,10 @@ header. A second identical compile copies the object instead of running g++; ind
 misses, generates, compiles (through here) and loads as it does cold. Anything else (version probes,
 `-E`, precompiled headers) runs the real compiler untouched.
 
-conftest.py points CXX at a script named as the real compiler (`g++`) that runs this file
-(inductor reads CXX, and tells gcc from clang by that name) and the cache at a session temp dir (DFLASH_TEST_CXX_CACHE); DFLASH_TEST_CXX names
-the real compiler. DFLASH_TEST_CXX_CACHE=off runs the tests without it. Product code never uses it:
-the job and the runner compile with whatever CXX the user has.
+conftest.py points CXX at a script named as the real compiler (`g++`) that runs this file (inductor
+reads CXX, and tells gcc from clang by that name), DFLASH_TEST_CXX at the real compiler and
+DFLASH_TEST_CXX_CACHE at a session temp dir; DFLASH_TEST_CXX_CACHE=off runs the tests without it.
+Product code never uses it: the job and the runner compile with whatever CXX the user has.
 """
 
 from __future__ import annotations
@@ -27,14 +27,10 @@ import sys
 import tempfile
 
 
-def _real() -> str:
-    return os.environ.get("DFLASH_TEST_CXX") or "g++"
-
-
 def _key(real: str, args: list[str], out_at: int) -> str:
     h = hashlib.sha256()
     version = subprocess.run([real, "--version"], capture_output=True, text=True).stdout
-    h.update(shutil.which(real).encode() if shutil.which(real) else real.encode())
+    h.update((shutil.which(real) or real).encode())
     h.update(version.encode())
     for i, a in enumerate(args):
         if i == out_at:
@@ -48,29 +44,29 @@ def _key(real: str, args: list[str], out_at: int) -> str:
     return h.hexdigest()
 
 
+def _copy_atomically(src: str, dst: str) -> None:
+    """src's bytes and mode at dst, never half there: a copy in dst's directory, then a rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)), suffix=".tmp")
+    os.close(fd)
+    shutil.copy(src, tmp)
+    os.replace(tmp, dst)
+
+
 def main(argv: list[str]) -> int:
-    real = _real()
+    real = os.environ.get("DFLASH_TEST_CXX") or "g++"
     cache = os.environ.get("DFLASH_TEST_CXX_CACHE")
-    if not cache or "-o" not in argv or not argv[argv.index("-o") + 1 :][:1]:
-        os.execvp(real, [real, *argv])
-    out_at = argv.index("-o") + 1
+    out_at = argv.index("-o") + 1 if "-o" in argv else len(argv)
+    if not cache or out_at >= len(argv) or not argv[out_at].endswith(".so") or "-E" in argv:
+        os.execvp(real, [real, *argv])  # version probes, -E, precompiled headers: untouched
     out = argv[out_at]
-    if not out.endswith(".so") or "-E" in argv:
-        os.execvp(real, [real, *argv])
     os.makedirs(cache, exist_ok=True)
     kept = os.path.join(cache, _key(real, argv, out_at) + ".so")
     if os.path.isfile(kept):
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)), suffix=".tmp")
-        os.close(fd)
-        shutil.copy(kept, tmp)  # with its mode, as g++ wrote it
-        os.replace(tmp, out)
+        _copy_atomically(kept, out)
         return 0
     rc = subprocess.run([real, *argv]).returncode
     if rc == 0 and os.path.isfile(out):
-        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".tmp")
-        os.close(fd)
-        shutil.copy(out, tmp)
-        os.replace(tmp, kept)  # two workers that built the same object both keep it: same bytes
+        _copy_atomically(out, kept)  # two workers that built the same object both keep it: same bytes
     return rc
 
 

@@ -16,6 +16,11 @@ WRAPPER = Path(__file__).resolve().parent / "cxx_cache.py"
 SOURCE = 'extern "C" int answer(int x) {{ return x * {k}; }}\n'
 
 
+def _env(real: str, objects: Path) -> dict[str, str]:
+    """The wrapper's environment: the compiler it runs and its object cache."""
+    return {**os.environ, "DFLASH_TEST_CXX": real, "DFLASH_TEST_CXX_CACHE": str(objects)}
+
+
 @pytest.fixture
 def compiler(tmp_path: Path):
     real = shutil.which("g++")
@@ -26,7 +31,7 @@ def compiler(tmp_path: Path):
     counting.parent.mkdir()
     counting.write_text(f'#!/bin/sh\necho x >> "{calls}"\nexec "{real}" "$@"\n')
     counting.chmod(0o755)
-    env = {**os.environ, "DFLASH_TEST_CXX": str(counting), "DFLASH_TEST_CXX_CACHE": str(tmp_path / "objects")}
+    env = _env(str(counting), tmp_path / "objects")
 
     def build(src: Path, out: Path, *flags: str) -> int:
         """Compile src into out through the wrapper; the real compiler's runs so far."""
@@ -60,20 +65,19 @@ def test_same_compile_is_served_from_the_cache(tmp_path: Path, compiler) -> None
 def test_what_it_does_not_cache_runs_the_real_compiler(tmp_path: Path, compiler) -> None:
     (tmp_path / "k.cpp").write_text(SOURCE.format(k=2))
     out = tmp_path / "k.i"
+    env = _env(shutil.which("g++") or "g++", tmp_path / "objects")
     proc = subprocess.run(
-        [sys.executable, str(WRAPPER), "-E", str(tmp_path / "k.cpp"), "-o", str(out)],
-        env={**os.environ, "DFLASH_TEST_CXX": shutil.which("g++") or "g++",
-             "DFLASH_TEST_CXX_CACHE": str(tmp_path / "objects")},
-    )  # fmt: skip
+        [sys.executable, str(WRAPPER), "-E", str(tmp_path / "k.cpp"), "-o", str(out)], env=env
+    )
     assert proc.returncode == 0 and "answer" in out.read_text()
     assert not (tmp_path / "objects").exists(), "a preprocessing run was cached"
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
     failed = subprocess.run(
         [sys.executable, str(WRAPPER), str(bad), "-shared", "-o", str(tmp_path / "bad.so")],
-        env={**os.environ, "DFLASH_TEST_CXX": shutil.which("g++") or "g++",
-             "DFLASH_TEST_CXX_CACHE": str(tmp_path / "objects")},
-        capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert failed.returncode != 0 and "error" in failed.stderr
     assert not list((tmp_path / "objects").glob("*.so")), "a failed compile left an object in the cache"
