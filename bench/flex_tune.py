@@ -97,25 +97,29 @@ SECOND_ROUND = [  # around the first round's winners on the H200 (2026-12-01): f
 ]
 
 
+FWD_WINNER = (64, 64, 3, 4, False)
+"""The forward tile that won the first two rounds on the H200 (FWD[5])."""
 THIRD_ROUND = [  # the backward (80% of the step's attention time) around the winner 64x128 / 128x64, 2 stages
-    (64, 128, 64, 64, 2, 8, False),
-    (128, 128, 128, 64, 2, 8, False),
-    (64, 64, 128, 64, 2, 8, False),
-    (128, 64, 64, 128, 2, 8, False),
-    (64, 128, 128, 128, 2, 8, False),
-    (32, 128, 64, 64, 2, 4, False),
-    (64, 128, 128, 32, 2, 8, False),
-    (64, 128, 64, 128, 2, 8, False),
+    (FWD_WINNER, bwd, {})
+    for bwd in (
+        (64, 128, 64, 64, 2, 8, False),
+        (128, 128, 128, 64, 2, 8, False),
+        (64, 64, 128, 64, 2, 8, False),
+        (128, 64, 64, 128, 2, 8, False),
+        (64, 128, 128, 128, 2, 8, False),
+        (32, 128, 64, 64, 2, 4, False),
+        (64, 128, 128, 32, 2, 8, False),
+        (64, 128, 64, 128, 2, 8, False),
+    )
 ]
-"""Each with the forward winner of the first rounds (64 x 64, 3 stages, 4 warps)."""
 
 
 def candidates() -> list[dict[str, Any] | None]:
-    """None = inductor's defaults (no options); then FWD[i] paired with BWD[i]; then SECOND_ROUND;
-    then THIRD_ROUND (indices 18-25)."""
+    """None = inductor's defaults (no options); then FWD[i] paired with BWD[i]; then SECOND_ROUND and
+    THIRD_ROUND (indices 18-25)."""
     pairs = [{**fwd_options(f), **bwd_options(b)} for f, b in zip(FWD, BWD, strict=True)]
-    third = [{**fwd_options((64, 64, 3, 4, False)), **bwd_options(b)} for b in THIRD_ROUND]
-    return [None, *pairs, *({**fwd_options(f), **bwd_options(b), **x} for f, b, x in SECOND_ROUND), *third]
+    rounds = SECOND_ROUND + THIRD_ROUND
+    return [None, *pairs, *({**fwd_options(f), **bwd_options(b), **x} for f, b, x in rounds)]
 
 
 def write_table(path: Path, best: dict[str, Any], args: argparse.Namespace, report: dict[str, Any]) -> None:
