@@ -1,14 +1,15 @@
 """The LM-head cross-entropy of the DFlash objective, side by side: the job's loss (chunked, the
-gradient taken in the forward pass) with each chunk's elementwise work compiled into one function
-(train.fused_loss = true) and run eagerly (false); the same chunks under activation checkpointing
-(each chunk's logits recomputed in backward); plain autograd through the full [N, V] logits; and,
-where installed, the kernel libraries that fuse the head and the loss: liger-kernel's fused linear
-cross-entropy and cut-cross-entropy, both with reduction="none" times the per-position weights (the
-DFlash loss weights every token, which neither supports otherwise; both then recompute the logits in
-backward).
+gradient taken in the forward pass) with each chunk's elementwise work fused (train.fused_loss =
+true: on a GPU by the Triton kernel of dflash.loss_kernel, or as one compiled function) and run
+eagerly (false); the same chunks under activation checkpointing (each chunk's logits recomputed in
+backward); plain autograd through the full [N, V] logits; and, where installed, the kernel libraries
+that fuse the head and the loss: liger-kernel's fused linear cross-entropy and cut-cross-entropy,
+both with reduction="none" times the per-position weights (the DFlash loss weights every token,
+which neither supports otherwise; both then recompute the logits in backward).
 
 H200 (the 8B drafter's head: 16384 block tokens x hidden 4096 x vocab 151936, bf16 autocast):
     python bench/head_loss.py --out $OUT/head_loss.json
+    python bench/head_loss.py --skip-unchunked --ce-sweep --out $OUT/head_loss.json  # + the kernel's tiles
 CPU (a smaller head; fp32):
     python bench/head_loss.py --tokens 4096 --hidden 512 --vocab 32768 --chunk 1024 --reps 3 --out /tmp/head_loss.json
 
@@ -86,6 +87,51 @@ def library_losses() -> dict[str, Callable[..., torch.Tensor]]:
     return out
 
 
+CE_SWEEP = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 32)]
+"""(tile, warps) of the loss kernel timed by --ce-sweep; dflash.loss_kernel's defaults come from it."""
+
+
+def ce_sweep(chunk: int, vocab: int, reps: int) -> list[dict[str, object]]:
+    """The chunk's elementwise work alone, on bf16 logits of one chunk: the kernel at each (tile,
+    warps), and the compiled chunk function, with the bytes each moves per ms (the kernel reads the
+    logits twice and writes the gradient once)."""
+    from dflash import loss_kernel
+    from dflash.objective import _chunk_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(chunk, vocab, device="cuda", dtype=torch.bfloat16, generator=g)
+    y = torch.randint(0, vocab, (chunk,), device="cuda", generator=g)
+    w = torch.rand(chunk, device="cuda", generator=g)
+    work = logits.clone()
+    nbytes = 3 * logits.numel() * logits.element_size()
+    rows: list[dict[str, object]] = []
+
+    def timed(name: str, fn: Callable[[], object], **extra: object) -> None:
+        def run() -> object:
+            work.copy_(logits)  # the kernel consumes its logits: every rep starts from the same ones
+            return fn()
+
+        copy_ms = bench_ms(lambda: work.copy_(logits), "cuda", reps)
+        ms = bench_ms(run, "cuda", reps) - copy_ms
+        rows.append({"variant": name, "ms": ms, "tb_s": nbytes / ms / 1e9, **extra})
+        print(
+            f"  ce {name:28s} {ms:7.3f} ms  {nbytes / ms / 1e9:5.2f} TB/s (3 passes of bf16 logits)",
+            flush=True,
+        )
+
+    for block, warps in CE_SWEEP:
+        timed(
+            f"kernel tile {block} warps {warps}",
+            lambda b=block, nw=warps: loss_kernel.chunk_cross_entropy_kernel(
+                work, y, w, True, block=b, num_warps=nw
+            ),
+            block=block,
+            warps=warps,
+        )
+    timed("compiled chunk", lambda: _chunk_loss(work, y, w, torch.float32, True, True, kernel=False))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384, help="trained block tokens N")
@@ -97,6 +143,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--skip-unchunked", action="store_true", help="skip the full-logits baseline (memory)")
+    ap.add_argument(
+        "--ce-sweep",
+        action="store_true",
+        help="also time the loss kernel alone on one chunk's logits for each (tile, warps) of CE_SWEEP "
+        "against the compiled chunk function (GPU)",
+    )
     ap.add_argument("--out", default=default_out("head_loss"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,11 +168,13 @@ def main() -> None:
     w_N = position_weights(K, 7.0, torch.device(device)).expand(1, blocks, K)[valid_BAK]
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
-    def job(fused: bool) -> Callable[[], torch.Tensor]:
+    def job(fused: bool, kernel: bool = True) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             hidden_BAKH.grad = None
             with autocast:
-                out = dflash_loss(hidden_BAKH, head_VH, labels_BAK, valid_BAK, 7.0, args.chunk, fused=fused)
+                out = dflash_loss(
+                    hidden_BAKH, head_VH, labels_BAK, valid_BAK, 7.0, args.chunk, fused=fused, kernel=kernel
+                )
             out.loss.backward()
             return out.loss
 
@@ -137,10 +191,15 @@ def main() -> None:
         return run
 
     variants: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = {
-        "job, fused (compiled chunk)": (job(True), lambda: hidden_BAKH.grad[valid_BAK]),
+        "job, fused (compiled chunk)": (job(True, kernel=False), lambda: hidden_BAKH.grad[valid_BAK]),
         "job, eager chunk": (job(False), lambda: hidden_BAKH.grad[valid_BAK]),
         "checkpointed chunks": (baseline(checkpointed), lambda: hidden_NH.grad),
     }
+    if device == "cuda":  # the kernel's path (elsewhere fused=True is the compiled chunk)
+        variants = {
+            "job, fused (Triton kernel)": (job(True), lambda: hidden_BAKH.grad[valid_BAK]),
+            **variants,
+        }
     if not args.skip_unchunked:
         variants["unchunked autograd"] = (baseline(unchunked), lambda: hidden_NH.grad)
     for name, fn in library_losses().items():
@@ -166,6 +225,7 @@ def main() -> None:
         print(
             f"{name:28s} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  peak +{peak or 0:.2f} GiB", flush=True
         )
+    sweep = ce_sweep(args.chunk, args.vocab, args.reps) if args.ce_sweep and device == "cuda" else None
     ref = outputs.get("job, eager chunk")
     for r in results:
         if ref is None or r["variant"] not in outputs:
@@ -181,6 +241,7 @@ def main() -> None:
         "trained_tokens": n,
         "flops": flops,
         "results": results,
+        "ce_sweep": sweep,
     }
     write_report(args.out, report)
     print(f"wrote {args.out}")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dflash import loss_kernel
+
 
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """x on `device` without the host waiting for the device. A CUDA copy from pageable host memory
@@ -230,9 +232,15 @@ def _chunk_loss(
     ce_dtype: torch.dtype,
     want_grad: bool,
     fused: bool,
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's loss: eagerly, or fused: by the Triton kernel where it applies (a GPU, float32
+    softmax; dflash.loss_kernel, which overwrites the logits with their gradient), else the compiled
+    chunk function."""
     if not fused:
         return chunk_cross_entropy(logits_CV, y_C, w_C, ce_dtype, want_grad)
+    if kernel and loss_kernel.supports(logits_CV, ce_dtype):
+        return loss_kernel.chunk_cross_entropy_kernel(logits_CV, y_C, w_C, want_grad)
     for t in (logits_CV, y_C, w_C):
         torch._dynamo.mark_dynamic(t, 0)
     with torch.autocast(logits_CV.device.type, enabled=False):
@@ -261,6 +269,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         weights_N: torch.Tensor,
         chunk_tokens: int,
         fused: bool,
+        kernel: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Under autocast the matmuls run in the autocast dtype; outside it, in the hidden's dtype.
@@ -282,10 +291,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
             y_C, w_C = labels_N[start:end], weights_N[start:end].to(ce_dtype)
             logits_CV = h_CH @ w_VH.t()
             part, correct_N[start:end], g_CV = _chunk_loss(
-                logits_CV, y_C, w_C, ce_dtype, want_h or want_w, fused
+                logits_CV, y_C, w_C, ce_dtype, want_h or want_w, fused, kernel
             )
             total += part
-            del logits_CV  # the [chunk, vocab] logits go before the gradient's matmuls
+            del logits_CV  # the [chunk, vocab] logits go before the gradient's matmuls (the kernel's
+            # gradient is written over them: then g_CV holds their storage)
             if g_CV is None:
                 continue
             if grad_h_NH is not None:
@@ -311,7 +321,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if want_w:
             g_w = saved.pop(0)
             grad_w = (g_w * grad_total.to(g_w.dtype)).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def trained_count(valid_BAK: torch.Tensor) -> HostCopy:
@@ -335,10 +345,12 @@ def dflash_loss(
     *,
     fused: bool = False,
     trained: HostCopy | None = None,
+    kernel: bool = True,
 ) -> LossOutput:
     """Weighted cross-entropy over trained block positions through the frozen head, in chunks of
     `chunk_tokens` with the gradient taken in the forward pass (see _HeadCrossEntropy). fused=True
-    runs each chunk's softmax, loss, accuracy and gradient as one compiled function (train.fused_loss).
+    runs each chunk's softmax, loss, accuracy and gradient fused (train.fused_loss): on a GPU by the
+    Triton kernel of dflash.loss_kernel, elsewhere (or with kernel=False) as one compiled function.
 
     Only the trained positions go through the head: their indices are the valid ones, ascending, and
     their count comes from `trained` (trained_count(valid_BAK), started before the forward: then
@@ -365,7 +377,7 @@ def dflash_loss(
     hidden_NH = hidden_BAKH.reshape(-1, H).index_select(0, sel)
     labels_N = labels_BAK.reshape(-1).index_select(0, sel)
     total, correct_N = _HeadCrossEntropy.apply(
-        hidden_NH, head_weight_VH, labels_N, weights_N, chunk_tokens, fused
+        hidden_NH, head_weight_VH, labels_N, weights_N, chunk_tokens, fused, kernel
     )
     loss = total / weights_N.sum().clamp_min(1e-6)
     with torch.no_grad():
