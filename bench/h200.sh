@@ -51,7 +51,9 @@ else
   GPU=0; TINY=(--tiny); echo "no GPU: running the tiny CPU variants instead"
 fi
 
-# H200_PIPELINE_ARGS: extra bench/pipeline.py flags, e.g. "--target-compile".
+# H200_PIPELINE_ARGS: extra bench/pipeline.py flags, e.g. "--target-compile"; H200_STEP_ARGS and
+# H200_HEAD_ARGS the same for bench/drafter_step.py ("--backends flex") and bench/head_loss.py
+# ("--skip-unchunked --ce-sweep").
 # budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
 budget() {
   local left=$(( TOTAL_S - SECONDS - ${2:-0} ))
@@ -90,7 +92,7 @@ fi
 # The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"
 step drafter_step "$(budget 150 $((PIPELINE_MIN_S + 20 + 85)))" "$OUT/benches.log" \
-  "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json"
+  "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json" ${H200_STEP_ARGS:-}
 # Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
 if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
   step drafter_step_before "$(budget 90)" "$OUT/benches.log" \
@@ -100,7 +102,7 @@ fi
 unset TORCHINDUCTOR_CACHE_DIR
 HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
 step head_loss "$(budget 20 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
-  "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json"
+  "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json" ${H200_HEAD_ARGS:-}
 
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
 # empty dir after checking the fingerprint against this interpreter, then a NEW process compiling the
@@ -297,7 +299,7 @@ for name in ("drafter_step_before.json", "drafter_step.json"):
     for r in (load(name) or {}).get("results", []):
         split = (r.get("profile") or {}).get("per_step_ms") or {}
         print(f"  {name[:-5]:20} {r['backend']:5} fused_loss={r['fused_loss']!s:5} {r['step_ms']:8.1f} ms "
-              f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%}  " + " ".join(f"{k}={v:.1f}" for k, v in split.items()))
+              f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%} (first count {r.get('mfu_first_count', r['mfu']):.1%})  " + " ".join(f"{k}={v:.1f}" for k, v in split.items()))
 t = load("flex_tune.json")
 for kind, b in ((t or {}).get("best") or {}).items():
     print(f"  flex_tune {kind}: {b.get('combined_fwd_bwd_tflops', 0):.0f} TFLOP/s fwd+bwd tuned "
