@@ -20,8 +20,10 @@ dynamo keeps one graph per (length bucket, layer type, input requires grad): the
 a constant the layer's graph is specialised on, and the first layer's input (the frozen embedding's
 output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
 (unpadded and padded batches) per target layer type. The fused loss (train.fused_loss) is one
-graph of its own code: its row count is dynamic. So are the two norms outside the layers (the
-context's and the final one, compiled with the layers on a GPU): one code, a graph per input dtype, at most
+graph of its own code where it is compiled (its row count is dynamic); on a GPU a Triton kernel of
+its own runs it instead (dflash.loss_kernel: no dynamo graph, its binary in the triton cache). The two norms outside the
+layers (the context's and the final one, compiled with the layers on a GPU) have dynamic row counts
+too: one code, a graph per input dtype, at most
 OUTER_NORM_GRAPHS. The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
 """
