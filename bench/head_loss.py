@@ -213,7 +213,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         try:
-            loss = float(fn())
+            loss = float(fn().detach())
             outputs[name] = (loss, grad_of().float().clone())
             ms = bench_ms(fn, device, args.reps)
         except Exception as e:  # a library that does not run here is reported, not fatal
