@@ -27,7 +27,8 @@ its forward and backward need, whatever the code does:
   attention: 4 * D * heads * unmasked query-key pairs forward, x3.5 for fwd+bwd (FlashAttention
       convention), summed over layers with each layer's mask.
 The count of record until 2026-12-02 (issue 12's 149.5 TFLOP) took the fc at 6 * params * tokens and
-the head over all N block positions: 3.9 TFLOP more per 8B step than the model needs. Both are
+the head over all N block positions: 4.0 TFLOP more per 8B step than the model needs (149.62
+against 145.64 on the same anchors, docs/BENCHMARKS.md). Both are
 reported (flops_per_step["total"], and ["total_first_count"] with mfu_first_count).
 MFU = FLOPs / step time / 989 TFLOP/s (H200 dense bf16); also reported against the measured 790.
 

@@ -12,16 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from loss_helpers import loss_and_grad
 
 from dflash import loss_kernel
-from dflash.objective import chunk_cross_entropy, dflash_loss
+from dflash.objective import chunk_cross_entropy
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_kernel_through_the_interpreter():
     """Every check_* below, in a fresh process with the interpreter on."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ran = [line for line in r.stdout.splitlines() if line.startswith("passed ")]
@@ -90,13 +95,9 @@ def check_fused_loss_runs_the_kernel_where_it_applies() -> None:
     h0 = torch.randn(B, A, K, H)
     assert loss_kernel.supports(torch.empty(4, V), torch.float32)
     assert not loss_kernel.supports(torch.empty(4, V, dtype=torch.float64), torch.float64)
-    outs = []
-    for fused in (False, True):
-        hidden = h0.clone().requires_grad_()
-        out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=64, fused=fused)
-        out.loss.backward()
-        outs.append((out, hidden.grad))
-    (eager, g_eager), (kern, g_kern) = outs
+    (eager, g_eager), (kern, g_kern) = (
+        loss_and_grad(h0, head, labels, valid, chunk_tokens=64, fused=fused) for fused in (False, True)
+    )
     assert kern.tokens == eager.tokens == int(valid.sum())
     assert torch.allclose(kern.loss, eager.loss, rtol=1e-6)
     assert torch.allclose(g_kern, g_eager, atol=1e-7, rtol=1e-5)

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from loss_helpers import loss_and_grad
 
 from dflash.objective import block_labels, dflash_loss, expected_streak, position_weights, sample_anchors
 
@@ -150,13 +151,9 @@ def test_fused_loss_is_one_graph_for_every_batch_and_matches_the_eager_chunk():
     for thr in (0.1, 0.45, 0.8, 0.97):
         valid = torch.rand(B, A, K) > thr
         valid[..., 0] = False
-        outs = []
-        for fused in (False, True):
-            hidden = h0.clone().requires_grad_()
-            out = dflash_loss(hidden, head, labels, valid, gamma=7.0, chunk_tokens=100, fused=fused)
-            out.loss.backward()
-            outs.append((out, hidden.grad))
-        (eager, g_eager), (fused_out, g_fused) = outs
+        (eager, g_eager), (fused_out, g_fused) = (
+            loss_and_grad(h0, head, labels, valid, chunk_tokens=100, fused=fused) for fused in (False, True)
+        )
         assert fused_out.tokens == eager.tokens == int(valid.sum())
         assert torch.allclose(fused_out.loss, eager.loss, atol=1e-12)
         assert torch.allclose(g_fused, g_eager, atol=1e-14)
