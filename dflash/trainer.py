@@ -29,6 +29,7 @@ from dflash.objective import (
     sample_anchors,
     trained_count,
 )
+from dflash.optim_kernel import KernelAdamW
 from dflash.resolve import resolve_backend, resolve_fused_loss
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
@@ -90,10 +91,10 @@ def clip_and_step(
     """Clip the gradients' global norm to max_norm and take the optimizer step; returns the norm
     before clipping (a device tensor: nothing here waits for the device).
 
-    A fused optimizer (AdamW(fused=True), the GPU's) scales the gradients itself: it divides each by
-    its `grad_scale` inside the update kernel (the hook GradScaler unscales through), so the clip
-    factor goes there instead of a separate pass over every gradient (2.3 ms of the 8B step on the
-    H200). Same update as clip_grad_norm_ then step, to the rounding of g / (1 / c) against g * c."""
+    A fused optimizer (AdamW(fused=True); the GPU's KernelAdamW is one) scales the gradients
+    itself: it divides each by its `grad_scale` inside the update kernel (the hook GradScaler
+    unscales through), so the clip factor goes there instead of a separate pass over every gradient
+    (2.3 ms of the 8B step on the H200). Same update as clip_grad_norm_ then step, to the rounding of g / (1 / c) against g * c."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if getattr(optimizer, "defaults", {}).get("fused"):
@@ -192,12 +193,11 @@ class DrafterTrainer:
         self.module: nn.Module = wrap_ddp(model, device) if world_size > 1 else model
         self.params = params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=t.lr,
-            betas=(t.betas[0], t.betas[1]),
-            weight_decay=t.weight_decay,
-            fused=device.type == "cuda",
+        adamw = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
+        # On the GPU, torch's fused AdamW with the update as dflash.optim_kernel's kernel (the same
+        # state and state_dict, 29.4 instead of 33.6 GB of memory traffic per 8B step).
+        self.optimizer: torch.optim.Optimizer = (
+            KernelAdamW(params, **adamw) if device.type == "cuda" else torch.optim.AdamW(params, **adamw)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0

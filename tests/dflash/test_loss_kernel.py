@@ -1,36 +1,21 @@
 """The fused loss's Triton kernel (dflash.loss_kernel): on the CPU through Triton's interpreter (the
 kernel's own code, run on CPU tensors), on the GPU compiled, both against a float64 reference.
 
-The interpreter must be on before Triton is first imported (triton.language's own helpers are
-jitted at import), and other tests import it through inductor: the check_* functions run in a
-process of their own, this file run as a script with TRITON_INTERPRET=1."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+The check_* functions run in a process of their own with the interpreter on
+(tests/interpreter_helpers.py says why)."""
 
 import pytest
 import torch
+from interpreter_helpers import main, run_interpreted
 from loss_helpers import loss_and_grad
 
 from dflash import loss_kernel
 from dflash.objective import chunk_cross_entropy
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_kernel_through_the_interpreter():
     """Every check_* below, in a fresh process with the interpreter on."""
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-    }
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ran = [line for line in r.stdout.splitlines() if line.startswith("passed ")]
-    assert ran == [f"passed {name}" for name in CHECKS], r.stdout
+    run_interpreted(__file__, CHECKS)
 
 
 def _logits_with_ties(C: int, V: int, dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -137,7 +122,4 @@ def test_kernel_on_gpu_matches_float64_at_the_8b_vocab():
 
 
 if __name__ == "__main__":
-    assert loss_kernel.interpreted(), "run with TRITON_INTERPRET=1"
-    for name, check in CHECKS.items():
-        check()
-        print(f"passed {name}", flush=True)
+    main(CHECKS)

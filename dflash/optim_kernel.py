@@ -1,0 +1,204 @@
+"""AdamW's update as one hand-written Triton kernel per parameter (the GPU drafter's optimizer step).
+
+torch's fused AdamW (`_fused_adamw_`) reads parameter, gradient and both moments and writes
+parameter and moments back; given a `grad_scale` (clip_and_step folds the clip factor into it) it
+also writes the unscaled gradient back over the gradient. That write is 4 of its 32 bytes per
+element, and nothing reads the gradient after the step (the trainer drops it: zero_grad with
+set_to_none). Here the same update makes 16 bytes of reads and 12 of writes per element. On the 8B
+drafter's 1.05 G parameters that is 29.4 GB a step against 33.6 (fused AdamW took 10.1 ms of the step
+on the H200, 3.3 TB/s; docs/BENCHMARKS.md).
+
+`KernelAdamW` is torch.optim.AdamW(fused=True) with that step: the same state (step, exp_avg,
+exp_avg_sq per parameter), so its state_dict is torch's and checkpoints load either way. The
+update is fused AdamW's maths in the same order (decay, moments, bias-corrected step); the bias
+corrections and step size are computed on the host in double precision from a host-side copy of
+the step count (so the step never waits for the device), the element maths in float32 with IEEE
+division and square root (`div_rn`, `sqrt_rn`), as torch's CUDA kernel. Off CUDA the parent's step
+runs, except under Triton's interpreter (TRITON_INTERPRET=1), where the CPU tests run this kernel's
+own code on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dflash.loss_kernel import interpreted
+
+BLOCK = 4096
+"""Elements per program."""
+NUM_WARPS = 8
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The jitted kernel; a separate one under the interpreter (triton.jit reads TRITON_INTERPRET
+    when it decorates)."""
+    assert interpret == interpreted()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_update(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        scale_ptr,
+        n,
+        decay,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        HAS_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        p = tl.load(p_ptr + offs, mask=inside)
+        g = tl.load(g_ptr + offs, mask=inside).to(tl.float32)
+        if HAS_SCALE:
+            g = tl.div_rn(g, tl.load(scale_ptr))
+        m = tl.load(m_ptr + offs, mask=inside)
+        v = tl.load(v_ptr + offs, mask=inside)
+        p = p - decay * p
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p, mask=inside)
+        tl.store(m_ptr + offs, m, mask=inside)
+        tl.store(v_ptr + offs, v, mask=inside)
+
+    return adamw_update
+
+
+def supports(p: torch.Tensor) -> bool:
+    """Whether the kernel updates this parameter: float32 on CUDA (CPU under the interpreter),
+    contiguous, with a contiguous float32 gradient of its shape."""
+    g = p.grad
+    return (
+        (p.device.type == "cuda" or (p.device.type == "cpu" and interpreted()))
+        and p.dtype == torch.float32
+        and p.is_contiguous()
+        and g is not None
+        and g.dtype == torch.float32
+        and g.is_contiguous()
+        and g.shape == p.shape
+    )
+
+
+def adamw_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    grad_scale: torch.Tensor | None = None,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """One AdamW update of p and its moments in place, `step` being the step count after this
+    update (1 for the first). grad_scale: a device scalar the gradient is divided by."""
+    n = p.numel()
+    if not n:
+        return
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    _kernel(interpreted())[(-(-n // block),)](
+        p,
+        g,
+        exp_avg,
+        exp_avg_sq,
+        grad_scale if grad_scale is not None else p,  # not read without HAS_SCALE
+        n,
+        lr * weight_decay,
+        beta1,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        lr / bias_correction1,
+        bias_correction2_sqrt,
+        eps,
+        HAS_SCALE=grad_scale is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+class KernelAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW(fused=True) whose step runs `adamw_update` where every parameter with a
+    gradient `supports` it, and the parent's fused step otherwise. The same state and state_dict;
+    clip_and_step's `grad_scale` is honoured as the parent does."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, block: int = BLOCK, **kwargs: Any) -> None:
+        if kwargs.get("amsgrad") or kwargs.get("maximize") or kwargs.get("capturable"):
+            raise ValueError("KernelAdamW implements plain AdamW: no amsgrad, maximize or capturable")
+        super().__init__(params, fused=True, **kwargs)
+        self.block = block
+        self._host_steps: dict[torch.Tensor, float] = {}
+        """Each parameter's step count as the device holds it in state['step'], kept on the host so
+        the bias corrections need no read-back."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # A checkpoint load already waits for the device: read the step counts here, once.
+        self._host_steps = {p: float(s["step"]) for p, s in self.state.items() if "step" in s}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("KernelAdamW takes no closure")
+        with_grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not all(supports(p) for p in with_grads):
+            super().step()
+            # The parent stepped these: keep the host's counts in line with the device's.
+            for p in with_grads:
+                self._host_steps[p] = self._host_steps.get(p, 0.0) + 1
+            return None
+        grad_scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:  # as the parent initialises a fused parameter's state
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._host_steps[p] = 0.0
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state = self.state[p]
+                self._host_steps[p] += 1
+                adamw_update(
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=self._host_steps[p],
+                    lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    weight_decay=float(group["weight_decay"]),
+                    eps=float(group["eps"]),
+                    grad_scale=grad_scale,
+                    block=self.block,
+                )
+        return None
