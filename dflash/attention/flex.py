@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash.attention.mask import dflash_mask_mod, layer_masks
+from dflash.attention.mask import layer_masks, mask_name
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
 
@@ -44,16 +44,13 @@ def dflash_block_mask(
     Here each query row's allowed keys are two intervals (its context [lo, hi) and its own block),
     so the allowed count per (row, key tile) is interval arithmetic on [B, Q, KV / 128] and a tile is
     full when all its rows allow all its keys, partial when some do. The result equals
-    create_block_mask(dflash_mask_mod(...)) exactly (tests/dflash/test_attention.py) and carries that
-    mask_mod for the partial tiles."""
-    mask_mod = dflash_mask_mod(
-        anchors_BA,
-        seq_lens_B,
-        context_len=context_len,
-        block_size=block_size,
-        window=window,
-        causal_block=causal_block,
-    )
+    create_block_mask(dflash_mask_mod(...)) exactly (tests/dflash/test_attention.py).
+
+    Its mask_mod, which the kernels evaluate on every pair of a partial tile (forward, and twice in
+    the backward), reads the same two intervals per row from [B, rows] tables instead of deriving
+    them from the anchors pair by pair: four comparisons where dflash_mask_mod does about a dozen
+    integer operations (a clamp, a division, the anchor and sequence-length lookups, the window).
+    It allows exactly the pairs dflash_mask_mod allows, on flex's padded grid too (the test)."""
     B, A = anchors_BA.shape
     S, K, T = context_len, block_size, SPARSE_BLOCK
     q_len, kv_len = A * K, S + A * K
@@ -62,7 +59,7 @@ def dflash_block_mask(
     q_R = torch.arange(q_tiles * T, device=dev)
     block_R = torch.clamp(q_R // K, max=A - 1)
     anchor_BR = anchors_BA[:, block_R]
-    row_ok_BR = (q_R < q_len)[None, :] & torch.ones_like(anchor_BR, dtype=torch.bool)
+    row_ok_BR = (q_R < q_len)[None, :].expand_as(anchor_BR)
     # Context: lo <= kv < hi (an invalid anchor, -1, has hi < 0: nothing).
     hi_BR = torch.minimum(anchor_BR, seq_lens_B[:, None].clamp(max=S))
     lo_BR = torch.zeros_like(hi_BR) if window is None else (anchor_BR - window).clamp(min=0)
@@ -88,6 +85,18 @@ def dflash_block_mask(
 
     kv_num, kv_idx = as_indices(partial_BQT)
     full_num, full_idx = as_indices(full_BQT)
+    # Rows past q_len (flex's padding) allow nothing: empty intervals.
+    ctx_lo_BR = torch.where(row_ok_BR, lo_BR, 0).to(torch.int32)
+    ctx_hi_BR = torch.where(row_ok_BR, hi_BR, 0).to(torch.int32)
+    row_ok_R = q_R < q_len
+    own_lo_R = torch.where(row_ok_R, own_lo_R, 0).to(torch.int32)
+    own_hi_R = torch.where(row_ok_R, own_hi_R, 0).to(torch.int32)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        in_context = (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
+        return in_context | ((kv_idx >= own_lo_R[q_idx]) & (kv_idx < own_hi_R[q_idx]))
+
+    mask_mod.__name__ = mask_name(block_size, window, causal_block)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
     )

@@ -170,6 +170,17 @@ def test_closed_form_block_mask_equals_create_block_mask(seed):
             )
             where = f"K={K} S={S} window={window} causal={causal}"
             assert got.shape == ref.shape, where
+            # Its own mask_mod allows exactly dflash_mask_mod's pairs, flex's padded grid included.
+            rows, cols = got.kv_num_blocks.shape[-1] * 128, got.kv_indices.shape[-1] * 128
+            grid = (
+                torch.arange(3)[:, None, None, None],
+                torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                torch.arange(rows)[None, None, :, None],
+                torch.arange(cols)[None, None, None, :],
+            )
+            allowed = got.mask_mod(*grid)
+            assert allowed.shape == (3, 1, rows, cols) and allowed.any(), where
+            assert torch.equal(allowed, mod(*grid)), where
             for attr in ("kv", "full_kv", "q", "full_q"):
                 num, idx = getattr(got, f"{attr}_num_blocks"), getattr(got, f"{attr}_indices")
                 rnum, ridx = getattr(ref, f"{attr}_num_blocks"), getattr(ref, f"{attr}_indices")
