@@ -12,6 +12,7 @@
 #      dflash/attention/flex_tuned.json for the later steps -> $OUT/flex_tune.json, flex_tuned.json  ~150 s
 #   c. bench/drafter_step.py --profile   -> $OUT/drafter_step.json      <= 150 s  (log: benches.log)
 #  c2. only when asked: drafter_step_before (loss unfused, untuned flex) -> drafter_step_before.json
+#  c3. only when asked: optimizer: bench/optimizer.py --sweep -> $OUT/optimizer.json   ~30 s
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
@@ -98,6 +99,11 @@ if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
   step drafter_step_before "$(budget 90)" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
+fi
+# Only when asked: the optimizer step alone, the job's KernelAdamW against torch's fused AdamW.
+if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
+  step optimizer "$(budget 60)" "$OUT/benches.log" \
+    "$PY" bench/optimizer.py "${TINY[@]}" --sweep --out "$OUT/optimizer.json"
 fi
 unset TORCHINDUCTOR_CACHE_DIR
 HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)

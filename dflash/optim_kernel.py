@@ -145,11 +145,18 @@ class KernelAdamW(torch.optim.AdamW):
     gradient `supports` it, and the parent's fused step otherwise. The same state and state_dict;
     clip_and_step's `grad_scale` is honoured as the parent does."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, block: int = BLOCK, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        block: int = BLOCK,
+        num_warps: int = NUM_WARPS,
+        **kwargs: Any,
+    ) -> None:
         if kwargs.get("amsgrad") or kwargs.get("maximize") or kwargs.get("capturable"):
             raise ValueError("KernelAdamW implements plain AdamW: no amsgrad, maximize or capturable")
         super().__init__(params, fused=True, **kwargs)
-        self.block = block
+        self.block, self.num_warps = block, num_warps
         self._host_steps: dict[torch.Tensor, float] = {}
         """Each parameter's step count as the device holds it in state['step'], kept on the host so
         the bias corrections need no read-back."""
@@ -200,5 +207,6 @@ class KernelAdamW(torch.optim.AdamW):
                     eps=float(group["eps"]),
                     grad_scale=grad_scale,
                     block=self.block,
+                    num_warps=self.num_warps,
                 )
         return None
