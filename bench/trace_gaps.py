@@ -12,6 +12,8 @@ Three things bench/drafter_step.py --profile cannot see from kernel totals alone
   - the eager kernels by the op that launched them: what is left outside torch.compile;
   - every kernel by name, with its device time per phase (each device event counted once: the
     profiler's own per-op kernel lists counted some kernels many times over);
+  - the timeline: each phase range's host start and end beside the device's span of the kernels
+    launched in it (which phase the host was late for);
   - host waits: runtime or driver calls that took long on the host (cudaStreamSynchronize,
     cudaEventSynchronize, a blocking copy, an allocation that synchronizes), by call, the host op
     they ran in and the phase: the waits that leave the device idle behind the host afterwards.
@@ -175,6 +177,27 @@ def analyse(
     def ms(us: float) -> float:
         return round(us / 1000.0 / steps, 3)
 
+    # The timeline: each phase range as the host ran it, beside the device's span of the kernels
+    # launched in it (ms from the first range's start). A range whose kernels start as soon as the
+    # host launches them, with the device idle before, is one the host was late for.
+    launched_in: dict[int, list[int]] = defaultdict(list)
+    for i, t in launch_ts.items():
+        n = bisect.bisect_right(phase_starts, t) - 1
+        if n >= 0 and phases[n][0] <= t <= phases[n][1]:
+            launched_in[n].append(i)
+    t0 = phases[0][0] if phases else 0.0
+    timeline = []
+    for n, (start, end, name) in enumerate(phases):
+        row: dict[str, Any] = {
+            "phase": name,
+            "host_ms": [round((start - t0) / 1e3, 3), round((end - t0) / 1e3, 3)],
+        }
+        if launched_in[n]:
+            first = min(float(kernels[i]["ts"]) for i in launched_in[n])
+            last = max(float(kernels[i]["ts"]) + float(kernels[i].get("dur", 0.0)) for i in launched_in[n])
+            row["device_ms"] = [round((first - t0) / 1e3, 3), round((last - t0) / 1e3, 3)]
+        timeline.append(row)
+
     return {
         "gaps_ms_per_step": ms(sum(g["us"] for g in gaps)),
         "gaps_per_step": round(len(gaps) / steps, 1),
@@ -197,6 +220,7 @@ def analyse(
             for (call, where, phase), v in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]
         ],
         "phases": {p: {k: ms(v) for k, v in d.items()} for p, d in per_phase.items()},
+        "timeline": timeline,
         "eager_ops": [
             {"op": op, "ms": ms(v)} for op, v in sorted(eager_ops.items(), key=lambda kv: -kv[1])[: top * 2]
         ],

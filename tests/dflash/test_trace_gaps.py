@@ -132,3 +132,12 @@ def test_every_device_event_is_counted_once_by_name_and_phase():
         ("nvjet_mm", "matmul"),
         ("triton_red_fused_loss", "loss"),
     ]
+
+
+def test_timeline_puts_each_phase_host_range_beside_its_kernels_device_span():
+    r = analyse(TRACE, steps=1)
+    assert r["timeline"] == [
+        {"phase": "forward", "host_ms": [0.0, 0.1], "device_ms": [0.03, 0.04]},
+        # the loss's kernel ran 15 us after its launch at 135 us: the device had been idle (the gap)
+        {"phase": "loss", "host_ms": [0.1, 0.2], "device_ms": [0.15, 0.17]},
+    ]
