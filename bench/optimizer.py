@@ -65,7 +65,7 @@ def main() -> None:
     rows = [timed(f"job: {type(trainer.optimizer).__name__} (the trainer's)", trainer.optimizer, 28)]
     rows.append(timed("torch AdamW(fused=True)", torch.optim.AdamW(params, fused=True, **adamw), 32))
     if args.sweep and not args.tiny:
-        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (8192, 8), (8192, 16)):
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 16)):
             if (block, warps) != (BLOCK, NUM_WARPS):
                 opt = KernelAdamW(params, block=block, num_warps=warps, **adamw)
                 rows.append(timed(f"KernelAdamW tile {block}, {warps} warps", opt, 28))
