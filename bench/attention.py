@@ -1,5 +1,4 @@
-"""DFlash attention: flex (split: context and own blocks in two calls; and in one call) vs the sdpa
-backend vs dense-mask SDPA, fwd and fwd+bwd, effective TFLOP/s.
+"""DFlash attention: flex vs the sdpa backend vs dense-mask SDPA, fwd and fwd+bwd, effective TFLOP/s.
 
 H200 (the issue's shape: 32 heads, 8 kv heads, head dim 128, block 16, 512 anchors, 3072 context, bf16):
     .venv/bin/python bench/attention.py --out $OUT/attention.json
@@ -29,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench_ms, default_out, write_report  # noqa: E402  (bench/, the script's own directory)
 
 from dflash.attention import make_backend  # noqa: E402
-from dflash.attention.flex import FlexBackend  # noqa: E402
 from dflash.attention.mask import allowed_pairs, dense_mask  # noqa: E402
 
 FWD_BWD_FACTOR = 3.5
@@ -77,16 +75,9 @@ def main() -> None:
     grad = torch.randn_like(q)
     backends = {
         "flex": make_backend("flex"),
-        # flex with the own blocks inside the one call (FlexBackend(split=False)): the split's A/B
-        "flex_one_call": FlexBackend(split=False),
         "sdpa": make_backend("sdpa", sdpa_chunk_blocks=args.sdpa_chunk_blocks),
     }
-    can_backward = {
-        "flex": device == "cuda",
-        "flex_one_call": device == "cuda",
-        "sdpa": True,
-        "dense_sdpa": True,
-    }
+    can_backward = {"flex": device == "cuda", "sdpa": True, "dense_sdpa": True}
 
     results, numerics = [], {}
     for wname in args.windows.split(","):
@@ -108,9 +99,6 @@ def main() -> None:
         k_rep, v_rep = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
         fns = {
             "flex": lambda qq, kk, vv, p=plans: backends["flex"].attend(qq, kk, vv, p["flex"]),
-            "flex_one_call": lambda qq, kk, vv, p=plans: backends["flex_one_call"].attend(
-                qq, kk, vv, p["flex_one_call"]
-            ),
             "sdpa": lambda qq, kk, vv, p=plans: backends["sdpa"].attend(qq, kk, vv, p["sdpa"]),
             "dense_sdpa": lambda qq, kk, vv, m=dense_B1QL: F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=m
@@ -171,9 +159,6 @@ def main() -> None:
             summary[f"{wname}: flex speed-up over dense SDPA, fwd+bwd (target >= 3.5)"] = d["ms"] / f["ms"]
         if f and s:
             summary[f"{wname}: sdpa backend time / flex time, fwd+bwd (target <= 1.3)"] = s["ms"] / f["ms"]
-        one = find(wname, "flex_one_call", "fwd+bwd")
-        if f and one:
-            summary[f"{wname}: flex in one call / split, fwd+bwd"] = one["ms"] / f["ms"]
     report = {
         "bench": "attention",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

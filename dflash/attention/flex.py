@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.attention.mask import layer_masks, mask_name
 
@@ -35,10 +35,8 @@ def dflash_block_mask(
     block_size: int,
     window: int | None,
     causal_block: bool,
-    own_block: bool = True,
 ) -> BlockMask:
-    """The DFlash mask's BlockMask computed from the anchors, in closed form. With own_block=False,
-    the context part alone: keys [0, S) only (FlexBackend's split attends the own blocks apart).
+    """The DFlash mask's BlockMask computed from the anchors, in closed form.
 
     create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
     grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
@@ -55,7 +53,7 @@ def dflash_block_mask(
     It allows exactly the pairs dflash_mask_mod allows, on flex's padded grid too (the test)."""
     B, A = anchors_BA.shape
     S, K, T = context_len, block_size, SPARSE_BLOCK
-    q_len, kv_len = A * K, S + A * K if own_block else S
+    q_len, kv_len = A * K, S + A * K
     q_tiles, kv_tiles = -(-q_len // T), -(-kv_len // T)
     dev = anchors_BA.device
     q_R = torch.arange(q_tiles * T, device=dev)
@@ -74,10 +72,7 @@ def dflash_block_mask(
     def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # [..., R] intervals against [T] tiles -> [..., R, T]
         return (torch.minimum(hi[..., None], t1_T) - torch.maximum(lo[..., None], t0_T)).clamp(min=0)
 
-    count_BRT = overlap(lo_BR, hi_BR)
-    if own_block:
-        count_BRT = count_BRT + overlap(own_lo_R, own_hi_R)[None]
-    count_BRT = count_BRT * row_ok_BR[..., None]
+    count_BRT = (overlap(lo_BR, hi_BR) + overlap(own_lo_R, own_hi_R)[None]) * row_ok_BR[..., None]
     count_BQtT = count_BRT.view(B, q_tiles, T, kv_tiles)
     full_BQT = (count_BQtT == T).all(dim=2)
     partial_BQT = (count_BQtT > 0).any(dim=2) & ~full_BQT
@@ -97,25 +92,14 @@ def dflash_block_mask(
     own_lo_R = torch.where(row_ok_R, own_lo_R, 0).to(torch.int32)
     own_hi_R = torch.where(row_ok_R, own_hi_R, 0).to(torch.int32)
 
-    if own_block:
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        in_context = (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
+        return in_context | ((kv_idx >= own_lo_R[q_idx]) & (kv_idx < own_hi_R[q_idx]))
 
-        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            in_context = (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
-            return in_context | ((kv_idx >= own_lo_R[q_idx]) & (kv_idx < own_hi_R[q_idx]))
-
-    else:
-
-        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
-
-    mask_mod.__name__ = mask_name(block_size, window, causal_block) + ("" if own_block else "_context")
+    mask_mod.__name__ = mask_name(block_size, window, causal_block)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
     )
-
-
-def _causal_in_block(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    return kv_idx <= q_idx
 
 
 BLOCK_MASK_SECONDS = [0.0]
@@ -132,30 +116,6 @@ class FlexPlan(NamedTuple):
     """"full" or "sliding"."""
     capability: tuple[int, int] | None
     """CUDA compute capability of the device, None off CUDA."""
-    own: OwnBlocks | None = None
-    """With the split (FlexBackend(split=True)): block_mask covers the context keys only and the own
-    blocks are attended apart, as this says."""
-
-
-class OwnBlocks(NamedTuple):
-    """The own-block half of a split plan: every block's K queries against its own K keys."""
-
-    context_len: int
-    block_size: int
-    block_mask: BlockMask | None
-    """None: each block attends all of itself; causal blocks: the K x K lower triangle."""
-
-
-OWN_BLOCK_OPTIONS = {
-    "fwd_BLOCK_M": 16,
-    "fwd_BLOCK_N": 16,
-    "bwd_BLOCK_M1": 16,
-    "bwd_BLOCK_N1": 16,
-    "bwd_BLOCK_M2": 16,
-    "bwd_BLOCK_N2": 16,
-}
-"""flex tiles for the own-block call on CUDA: one block's 16 queries by its 16 keys (inductor's
-defaults, 64 or 128 wide, would compute 16 to 64 times the pairs there are)."""
 
 
 TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
@@ -195,7 +155,6 @@ class FlexBackend:
         compile: bool = True,
         tuned: bool = True,
         kernel_options: Mapping[str, Mapping[str, Any]] | None = None,
-        split: bool = True,
     ) -> None:
         # compile=False is the unfused fallback: it exists so the degraded-kernel guard can be
         # exercised and so a run can opt out knowingly; it is never chosen silently.
@@ -209,11 +168,6 @@ class FlexBackend:
             else None
         )
         """{kind: options} in place of TUNED_KERNEL_OPTIONS (bench/flex_tune.py tries candidates so)."""
-        self.split = split
-        """Attend the context keys and each block's own keys in two flex calls, merged by their
-        log-sum-exps (attend): the own keys then take no tiles of the context call's mask. In one
-        call each 128-row query tile's own keys are one partial 128 x 128 tile, 12.5% allowed: 256
-        of the 8B step's 1,800-2,300 tiles per layer, and the costliest kind (docs/BENCHMARKS.md)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
         """The options this layer's flex kernels compile with (None: inductor's defaults)."""
@@ -238,9 +192,6 @@ class FlexBackend:
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         plans = {}
         t0 = time.perf_counter()
-        # Inductor's CPU flex has no return_lse: the split runs on CUDA, or uncompiled (flex's eager
-        # maths, which the CPU tests run forward and backward).
-        split = self.split and (device.type == "cuda" or not self.compiled)
         for w, causal in layer_masks(windows, sliding_causal).items():
             block_mask = dflash_block_mask(
                 anchors_BA,
@@ -249,56 +200,17 @@ class FlexBackend:
                 block_size=block_size,
                 window=w,
                 causal_block=causal,
-                own_block=not split,
             )
-            own = None
-            if split:
-                own_mask = None
-                if causal:
-                    own_mask = create_block_mask(
-                        _causal_in_block, None, None, block_size, block_size, device=device
-                    )
-                own = OwnBlocks(context_len, block_size, own_mask)
-            plans[w] = FlexPlan(block_mask, layer_kind(w), capability, own)
+            plans[w] = FlexPlan(block_mask, layer_kind(w), capability)
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: FlexPlan) -> Tensor:
-        gqa = q_BHQD.shape[1] != k_BGLD.shape[1]
-        options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
-        if plan.own is None:
-            return self._flex(
-                q_BHQD, k_BGLD, v_BGLD, block_mask=plan.block_mask, enable_gqa=gqa, kernel_options=options
-            )
-        S, K = plan.own.context_len, plan.own.block_size
-        B, H, Q, D = q_BHQD.shape
-        A = Q // K
-        out_c, lse_c = self._flex(
+        return self._flex(
             q_BHQD,
-            k_BGLD[:, :, :S],
-            v_BGLD[:, :, :S],
+            k_BGLD,
+            v_BGLD,
             block_mask=plan.block_mask,
-            enable_gqa=gqa,
-            kernel_options=options,
-            return_lse=True,
+            enable_gqa=q_BHQD.shape[1] != k_BGLD.shape[1],
+            kernel_options=self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype),
         )
-
-        def per_block(x: Tensor) -> Tensor:  # [B, h, A*K, D] -> [B*A, h, K, D]: a batch row per block
-            return x.unflatten(2, (A, K)).transpose(1, 2).reshape(B * A, x.shape[1], K, D)
-
-        out_o, lse_o = self._flex(
-            per_block(q_BHQD),
-            per_block(k_BGLD[:, :, S:]),
-            per_block(v_BGLD[:, :, S:]),
-            block_mask=plan.own.block_mask,
-            enable_gqa=gqa,
-            kernel_options=dict(OWN_BLOCK_OPTIONS) if plan.capability is not None else None,
-            return_lse=True,
-        )
-        out_o = out_o.view(B, A, H, K, D).transpose(1, 2).reshape(B, H, Q, D)
-        lse_o = lse_o.view(B, A, H, K).transpose(1, 2).reshape(B, H, Q)
-        # softmax over both key sets = each part's softmax weighted by its share of the total mass; a
-        # row with no context keys has lse_c = -inf and weight 0 there (its own block is never empty).
-        lse = torch.logaddexp(lse_c, lse_o)
-        w_c, w_o = torch.exp(lse_c - lse)[..., None], torch.exp(lse_o - lse)[..., None]
-        return (out_c.float() * w_c + out_o.float() * w_o).to(q_BHQD.dtype)
