@@ -10,18 +10,18 @@ chunk_cross_entropy under torch.compile) reads them three times and was bound by
 arithmetic on the H200 (7.7 ms of the 8B step for 2 x 8192 rows, docs/BENCHMARKS.md).
 
 Softmax and cross-entropy in float32, the same maths as chunk_cross_entropy; only the order of the
-float32 sums differs (the test compares both against a float64 reference). Triton is imported at
-first use: on the CPU the job never calls this (the compiled or eager chunk runs there), and the CPU
-tests run the kernel through Triton's interpreter (TRITON_INTERPRET=1, set before the first use).
+float32 sums differs (the test compares both against a float64 reference). On the CPU the job never
+calls this (the compiled or eager chunk runs there); the CPU tests run it through Triton's
+interpreter (dflash.triton_jit).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
+
+from dflash.triton_jit import jit_per_mode, on_kernel_device
 
 BLOCK = 2048
 """Logits per tile: each pass loads a row in tiles of this many. Chosen by bench/head_loss.py
@@ -33,16 +33,11 @@ NUM_WARPS = 4
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def interpreted() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1): the kernel then runs on CPU tensors too."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supports(logits_CV: torch.Tensor, ce_dtype: torch.dtype) -> bool:
     """Whether the kernel computes this chunk: CUDA logits (CPU ones under the interpreter) of a
     kernel dtype, float32 softmax, rows of unit stride (the head's matmul output is)."""
     return (
-        (logits_CV.device.type == "cuda" or (logits_CV.device.type == "cpu" and interpreted()))
+        on_kernel_device(logits_CV)
         and logits_CV.dtype in KERNEL_DTYPES
         and ce_dtype == torch.float32
         and logits_CV.dim() == 2
@@ -50,11 +45,8 @@ def supports(logits_CV: torch.Tensor, ce_dtype: torch.dtype) -> bool:
     )
 
 
-@functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The jitted kernel; a separate one under the interpreter (triton.jit reads TRITON_INTERPRET
-    when it decorates)."""
-    assert interpret == interpreted()
+@jit_per_mode
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
@@ -122,7 +114,7 @@ def chunk_cross_entropy_kernel(
     loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
     correct_C = torch.empty(C, dtype=torch.int8, device=logits_CV.device)
     if C:
-        _kernel(interpreted())[(C,)](
+        _kernel()[(C,)](
             logits_CV,
             logits_CV.stride(0),
             y_C.contiguous(),

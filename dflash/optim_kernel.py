@@ -20,14 +20,13 @@ own code on CPU tensors.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from dflash.loss_kernel import interpreted
+from dflash.triton_jit import jit_per_mode, on_kernel_device
 
 BLOCK = 1024
 """Elements per program. bench/optimizer.py --sweep on the H200 (2026-12-02, the 8B drafter's 1.05 G
@@ -36,11 +35,8 @@ parameters, clipped): tile 1024 / 4 warps 8.42 ms (3.98 TB/s), 2048 / 8 8.74, 40
 NUM_WARPS = 4
 
 
-@functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The jitted kernel; a separate one under the interpreter (triton.jit reads TRITON_INTERPRET
-    when it decorates)."""
-    assert interpret == interpreted()
+@jit_per_mode
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
@@ -88,7 +84,7 @@ def supports(p: torch.Tensor) -> bool:
     contiguous, with a contiguous float32 gradient of its shape."""
     g = p.grad
     return (
-        (p.device.type == "cuda" or (p.device.type == "cpu" and interpreted()))
+        on_kernel_device(p)
         and p.dtype == torch.float32
         and p.is_contiguous()
         and g is not None
@@ -121,7 +117,7 @@ def adamw_update(
         return
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    _kernel(interpreted())[(-(-n // block),)](
+    _kernel()[(-(-n // block),)](
         p,
         g,
         exp_avg,

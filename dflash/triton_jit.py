@@ -1,0 +1,40 @@
+"""What the hand-written Triton kernels (dflash.loss_kernel, dflash.optim_kernel) share: where they
+run, and jitting each once per interpreter mode.
+
+Triton is imported at a kernel's first use, never at import of this module: on the CPU the job
+never calls the kernels, and the CPU tests run them through Triton's interpreter
+(TRITON_INTERPRET=1, set before Triton is first imported: tests/interpreter_helpers.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def interpreted() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): the kernels then run on CPU tensors too."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_kernel_device(x: torch.Tensor) -> bool:
+    """x lives where the kernels run: CUDA, or the CPU under the interpreter."""
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreted())
+
+
+def jit_per_mode(build: Callable[[], Any]) -> Callable[[], Any]:
+    """build() defines and returns a @triton.jit kernel; the result returns it, built once per
+    interpreter mode (triton.jit reads TRITON_INTERPRET when it decorates)."""
+    built: dict[bool, Any] = {}
+
+    def kernel() -> Any:
+        mode = interpreted()
+        if mode not in built:
+            built[mode] = build()
+        return built[mode]
+
+    kernel.__doc__ = build.__doc__
+    return kernel
