@@ -15,7 +15,6 @@ the sdpa backend and of dense SDPA against flex (out and grads).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import bench_ms, default_out, write_report  # noqa: E402  (bench/, the script's own directory)
+from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 
 from dflash.attention import make_backend  # noqa: E402
 from dflash.attention.mask import allowed_pairs, dense_mask  # noqa: E402
@@ -160,11 +159,7 @@ def main() -> None:
         if f and s:
             summary[f"{wname}: sdpa backend time / flex time, fwd+bwd (target <= 1.3)"] = s["ms"] / f["ms"]
     report = {
-        "bench": "attention",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        **report_header("attention", device == "cuda"),
         "dtype": str(dtype),
         "config": vars(args),
         "flops": "unmasked query-key pairs x heads x 4*D (fwd); fwd+bwd = 3.5 x fwd",

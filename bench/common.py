@@ -9,6 +9,23 @@ from pathlib import Path
 from typing import Any
 
 
+def report_header(bench: str, on_gpu: bool) -> dict[str, Any]:
+    """The fields every bench's JSON report starts with: which bench, when, the exact command, the
+    torch build and the device."""
+    import datetime
+    import sys
+
+    import torch
+
+    return {
+        "bench": bench,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+    }
+
+
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
     """A bench's JSON result, atomically (the job's own writer)."""
     from dflash.rundir import atomic_write_json

@@ -42,7 +42,6 @@ norms, rope, activations, copies, the attention backward's preprocessing).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -56,7 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import default_out, write_report  # noqa: E402  (bench/, the script's own directory)
+from common import default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 from pipeline import QWEN3_8B, TINY  # noqa: E402
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
@@ -379,11 +378,7 @@ def main() -> None:
         backends.remove("flex")
     results: list[dict[str, Any]] = []
     report: dict[str, Any] = {
-        "bench": "drafter_step",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if not args.tiny else "cpu",
+        **report_header("drafter_step", not args.tiny),
         "config": vars(args),
         "flops_formula": "6*params*tokens for q/o/MLP on block and k/v on context+block tokens, 4*params*tokens "
         "for the fc on context tokens (no input gradient) + 4*V*H*trained_positions (frozen LM head) "

@@ -27,7 +27,6 @@ forward was 4-6% faster per call: 0.3 ms of the 277 ms 8B step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -39,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import bench_ms, default_out, write_report  # noqa: E402  (bench/, the script's own directory)
+from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 
 FWD = [  # (BLOCK_M, BLOCK_N, num_stages, num_warps, USE_TMA)
     (128, 64, 3, 8, False),  # inductor's sm90 default for bf16, head dim 128
@@ -410,11 +409,7 @@ def main() -> None:
         entry["options"] = opts
         best[str(name)] = entry
     report = {
-        "bench": "flex_tune",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
+        **report_header("flex_tune", torch.cuda.is_available() and not args.tiny),
         "capability": list(torch.cuda.get_device_capability())
         if torch.cuda.is_available() and not args.tiny
         else None,

@@ -14,14 +14,13 @@ back), plus 4 per parameter for the gradient norm's read.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import bench_ms, default_out, write_report  # noqa: E402
+from common import bench_ms, default_out, report_header, write_report  # noqa: E402
 from drafter_step import build_trainer  # noqa: E402
 
 
@@ -71,11 +70,7 @@ def main() -> None:
                 rows.append(timed(f"KernelAdamW tile {block}, {warps} warps", opt, 28))
                 del opt
     report = {
-        "bench": "optimizer",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        **report_header("optimizer", device == "cuda"),
         "params": n,
         "tensors": len(params),
         "kernel_default": {"block": BLOCK, "num_warps": NUM_WARPS},

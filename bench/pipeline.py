@@ -22,7 +22,6 @@ Pipeline efficiency = end-to-end / min(target-only, drafter-only).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -39,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import default_out, time_loop, write_report  # noqa: E402  (bench/, the script's own directory)
+from common import default_out, report_header, time_loop, write_report  # noqa: E402  (bench/, the script's own directory)
 
 CONFIG = REPO / "configs" / "qwen3-8b.toml"
 MARKER = "dflash_bench_target.json"
@@ -555,11 +554,7 @@ def main() -> None:
     )
     summary["meets_capture_speedup"] = summary["capture_speedup_vs_baseline"] >= 1.25
     report = {
-        "bench": "pipeline",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        **report_header("pipeline", device.startswith("cuda")),
         "target_sizes": spec["sizes"],
         "batch": {
             "rows": args.batch,
