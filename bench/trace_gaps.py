@@ -88,11 +88,14 @@ def analyse(
     phases.sort()
     phase_starts = [p[0] for p in phases]
 
-    def phase_at(t: float) -> str:
+    def phase_index(t: float) -> int | None:
+        """The phase range that contains time t (its index in phases), None outside every range."""
         i = bisect.bisect_right(phase_starts, t) - 1
-        if i >= 0 and phases[i][0] <= t <= phases[i][1]:
-            return phases[i][2]
-        return "outside"
+        return i if i >= 0 and phases[i][0] <= t <= phases[i][1] else None
+
+    def phase_at(t: float) -> str:
+        i = phase_index(t)
+        return "outside" if i is None else phases[i][2]
 
     # Host stack at every kernel's launch, per launching thread.
     queries: dict[Any, list[tuple[float, int]]] = defaultdict(list)
@@ -182,8 +185,8 @@ def analyse(
     # host launches them, with the device idle before, is one the host was late for.
     launched_in: dict[int, list[int]] = defaultdict(list)
     for i, t in launch_ts.items():
-        n = bisect.bisect_right(phase_starts, t) - 1
-        if n >= 0 and phases[n][0] <= t <= phases[n][1]:
+        n = phase_index(t)
+        if n is not None:
             launched_in[n].append(i)
     t0 = phases[0][0] if phases else 0.0
     timeline = []

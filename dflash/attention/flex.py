@@ -59,7 +59,8 @@ def dflash_block_mask(
     q_R = torch.arange(q_tiles * T, device=dev)
     block_R = torch.clamp(q_R // K, max=A - 1)
     anchor_BR = anchors_BA[:, block_R]
-    row_ok_BR = (q_R < q_len)[None, :].expand_as(anchor_BR)
+    row_ok_R = q_R < q_len
+    row_ok_BR = row_ok_R[None, :].expand_as(anchor_BR)
     # Context: lo <= kv < hi (an invalid anchor, -1, has hi < 0: nothing).
     hi_BR = torch.minimum(anchor_BR, seq_lens_B[:, None].clamp(max=S))
     lo_BR = torch.zeros_like(hi_BR) if window is None else (anchor_BR - window).clamp(min=0)
@@ -88,7 +89,6 @@ def dflash_block_mask(
     # Rows past q_len (flex's padding) allow nothing: empty intervals.
     ctx_lo_BR = torch.where(row_ok_BR, lo_BR, 0).to(torch.int32)
     ctx_hi_BR = torch.where(row_ok_BR, hi_BR, 0).to(torch.int32)
-    row_ok_R = q_R < q_len
     own_lo_R = torch.where(row_ok_R, own_lo_R, 0).to(torch.int32)
     own_hi_R = torch.where(row_ok_R, own_hi_R, 0).to(torch.int32)
 
