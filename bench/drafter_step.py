@@ -32,8 +32,8 @@ against 145.64 on the same anchors, docs/BENCHMARKS.md). Both are
 reported (flops_per_step["total"], and ["total_first_count"] with mfu_first_count).
 MFU = FLOPs / step time / 989 TFLOP/s (H200 dense bf16); also reported against the measured 790.
 
---profile: torch.profiler over --profile-steps steps after the timed ones; the top kernels by device
-time, and a split: matmul (cuBLAS/CUTLASS GEMM kernels, the head's included), attention (flex
+--profile: torch.profiler over --profile-steps steps after the timed ones (shapes recorded); the top
+kernels by device time, the matrix products by shape with their TFLOP/s, and a split: matmul (cuBLAS/CUTLASS GEMM kernels, the head's included), attention (flex
 templates, flash/efficient SDPA kernels), loss (every other kernel launched inside the trainer's
 `dflash.loss` range), optimizer (inside `dflash.optimizer`: clipping and AdamW), other (the rest:
 norms, rope, activations, copies, the attention backward's preprocessing).
@@ -302,7 +302,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         steps(1)  # steady state in the window too: a step already queued when it opens
-        with profile(activities=activities) as prof:
+        # Shapes recorded: the matrix products' device time and rate by shape (trace_gaps).
+        with profile(activities=activities, record_shapes=True) as prof:
             steps(args.profile_steps)  # launches profile_steps steps, the last one still queued
             if cuda:
                 torch.cuda.synchronize()
@@ -431,6 +432,8 @@ def main() -> None:
                     print(
                         f"     gap {g['ms']:.2f} ms ({g['phase']}) before {g['launched_by']}: {g['host_during']}"
                     )
+                for m in tr.get("matmul_by_shape", [])[:16]:
+                    print(f"     matmul {m['ms']:7.2f} ms x{m['calls']:.0f} {m['tflops']} TFLOP/s  {m['op']}")
                 for w in tr.get("host_waits", [])[:8]:
                     print(
                         f"     host wait {w['ms']:.2f} ms/step x{w['calls']} {w['call']} in {w['in']} ({w['phase']})"

@@ -16,7 +16,10 @@ Three things bench/drafter_step.py --profile cannot see from kernel totals alone
     launched in it (which phase the host was late for);
   - host waits: runtime or driver calls that took long on the host (cudaStreamSynchronize,
     cudaEventSynchronize, a blocking copy, an allocation that synchronizes), by call, the host op
-    they ran in and the phase: the waits that leave the device idle behind the host afterwards.
+    they ran in and the phase: the waits that leave the device idle behind the host afterwards;
+  - matrix products by shape (a trace recorded with record_shapes=True): the device time of the
+    kernels each aten::mm / addmm / bmm / baddbmm launched, grouped by the op's input shapes, with
+    their FLOPs (2*M*K*N per product) and TFLOP/s: which of the step's products run below the rest.
 
 Pure Python over the trace's events (no torch), so its tests run on any machine.
 """
@@ -24,7 +27,7 @@ Pure Python over the trace's events (no torch), so its tests run on any machine.
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -57,6 +60,22 @@ def _enclosing(ops: list[tuple[float, float, str]], queries: list[tuple[float, i
     return out
 
 
+MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
+"""The host ops of matrix products and which of their inputs are the two factors."""
+
+
+def _product_flops(op: str, dims: list[Any]) -> float | None:
+    """2*M*K*N (times the batch for bmm) of a matrix-product op from its recorded input dims."""
+    a_i, b_i = MATMUL_OPS[op]
+    if len(dims) <= b_i:
+        return None
+    a, b = dims[a_i], dims[b_i]
+    if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
+        return None
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
 def _innermost_op(stack: list[str]) -> str:
     """The innermost host op worth naming (aten ops, compiled regions, our ranges)."""
     for name in reversed(stack):
@@ -79,10 +98,17 @@ def analyse(
     }
     host_by_tid: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
     phases: list[tuple[float, float, str]] = []
+    product_flops: dict[str, float | None] = {}  # a matrix product's label (op and dims): its FLOPs
     for e in events:
         if e.get("cat") in HOST_CATS:
             start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-            host_by_tid[e["tid"]].append((start, end, e["name"]))
+            name = e["name"]
+            dims = e.get("args", {}).get("Input Dims")
+            if name in MATMUL_OPS and dims:
+                # Labelled with its shapes: kernels launched in it are grouped by them below.
+                name = f"{name} {[d for d in dims if d]}"
+                product_flops.setdefault(name, _product_flops(e["name"], dims))
+            host_by_tid[e["tid"]].append((start, end, name))
             if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX):
                 phases.append((start, end, e["name"][len(PHASE_PREFIX) :]))
     phases.sort()
@@ -114,6 +140,7 @@ def analyse(
         lambda: {"compiled": 0.0, "eager": 0.0, "unlinked": 0.0}
     )
     eager_ops: dict[str, float] = defaultdict(float)
+    products: dict[str, float] = defaultdict(float)  # label: device us of its kernels
     # Every device event once, by name and phase (of its launch; of its start when unlinked).
     by_kernel: dict[str, dict[str, Any]] = {}
     for i, k in enumerate(kernels):
@@ -126,6 +153,9 @@ def analyse(
             per_phase[phase_at(float(k["ts"]))]["unlinked"] += dur
             continue
         stack = stacks[i]
+        product = next((n for n in reversed(stack) if n in product_flops), None)
+        if product is not None:
+            products[product] += dur
         kind = "compiled" if any(n.startswith(COMPILED_MARKS) for n in stack) else "eager"
         per_phase[phase_at(launch_ts[i])][kind] += dur
         if kind == "eager":
@@ -201,6 +231,22 @@ def analyse(
             row["device_ms"] = [round((first - t0) / 1e3, 3), round((last - t0) / 1e3, 3)]
         timeline.append(row)
 
+    op_calls = Counter(o[2] for ops in host_by_tid.values() for o in ops if o[2] in product_flops)
+    by_shape = []
+    for label, us in sorted(products.items(), key=lambda kv: -kv[1]):
+        flops = product_flops[label]
+        # Every call of a label has the same shapes: its FLOPs once per call of the op. The calls are
+        # counted by the op's events, not its kernels (a product may launch a kernel and a reduction).
+        calls = op_calls[label]
+        by_shape.append(
+            {
+                "op": label,
+                "ms": ms(us),
+                "calls": round(calls / steps, 2),
+                "tflops": round(flops * calls / (us * 1e-6) / 1e12, 1) if flops and us else None,
+            }
+        )
+
     return {
         "gaps_ms_per_step": ms(sum(g["us"] for g in gaps)),
         "gaps_per_step": round(len(gaps) / steps, 1),
@@ -224,6 +270,7 @@ def analyse(
         ],
         "phases": {p: {k: ms(v) for k, v in d.items()} for p, d in per_phase.items()},
         "timeline": timeline,
+        "matmul_by_shape": by_shape[: top * 3],
         "eager_ops": [
             {"op": op, "ms": ms(v)} for op, v in sorted(eager_ops.items(), key=lambda kv: -kv[1])[: top * 2]
         ],

@@ -141,3 +141,46 @@ def test_timeline_puts_each_phase_host_range_beside_its_kernels_device_span():
         # the loss's kernel ran 15 us after its launch at 135 us: the device had been idle (the gap)
         {"phase": "loss", "host_ms": [0.1, 0.2], "device_ms": [0.15, 0.17]},
     ]
+
+
+def test_matrix_products_are_grouped_by_shape_with_their_rate():
+    """With record_shapes, each mm/addmm/bmm host op carries its input dims: the kernels it launched
+    are summed per shape, and the rate is the op's 2*M*K*N over their device time."""
+    mm = {"Input Dims": [[1024, 512], [512, 256]]}
+    addmm = {"Input Dims": [[256], [64, 512], [512, 256], [], []]}
+    trace = {
+        "traceEvents": [
+            _x("user_annotation", "dflash.forward", 0, 300),
+            _x("cpu_op", "aten::mm", 10, 5, **mm),
+            _x("cuda_runtime", "cudaLaunchKernel", 11, 1, correlation=1),
+            _x("cpu_op", "aten::mm", 20, 5, **mm),
+            _x("cuda_runtime", "cudaLaunchKernel", 21, 1, correlation=2),
+            _x("cpu_op", "aten::addmm", 30, 5, **addmm),
+            _x("cuda_runtime", "cudaLaunchKernel", 31, 1, correlation=3),
+            _x("cpu_op", "aten::add", 40, 5),
+            _x("cuda_runtime", "cudaLaunchKernel", 41, 1, correlation=4),
+            _x("kernel", "nvjet_a", 100, 10, tid=7, correlation=1),
+            _x("kernel", "nvjet_a", 120, 30, tid=7, correlation=2),
+            _x("kernel", "nvjet_b", 160, 2, tid=7, correlation=3),
+            _x("kernel", "add_kernel", 170, 1, tid=7, correlation=4),
+        ]
+    }
+    r = analyse(trace, steps=1)
+    big = 2 * 1024 * 512 * 256  # per call; two calls in 40 us
+    small = 2 * 64 * 512 * 256
+    assert r["matmul_by_shape"] == [
+        {
+            "op": "aten::mm [[1024, 512], [512, 256]]",
+            "ms": 0.04,
+            "calls": 1 * 2,
+            "tflops": round(2 * big / 40e-6 / 1e12, 1),
+        },
+        {
+            "op": "aten::addmm [[256], [64, 512], [512, 256]]",
+            "ms": 0.002,
+            "calls": 1,
+            "tflops": round(small / 2e-6 / 1e12, 1),
+        },
+    ]
+    # A trace without shapes has no products to report.
+    assert analyse(TRACE, steps=1)["matmul_by_shape"] == []
