@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # dflash, for the report's atomic write (bench/common.py)
 
-from common import default_out, report_header, write_report  # noqa: E402
+from common import default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 
 H, HQ, G, D, FI, V = 4096, 32, 8, 128, 12288, 151936
 N_BLOCK, N_KV, N_CTX, CHUNK, N_TARGET = 16384, 24576, 8192, 8192, 5
