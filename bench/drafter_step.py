@@ -33,10 +33,11 @@ reported (flops_per_step["total"], and ["total_first_count"] with mfu_first_coun
 MFU = FLOPs / step time / 989 TFLOP/s (H200 dense bf16); also reported against the measured 790.
 
 --profile: torch.profiler over --profile-steps steps after the timed ones (shapes recorded); the top
-kernels by device time, the matrix products by shape with their TFLOP/s, and a split: matmul (cuBLAS/CUTLASS GEMM kernels, the head's included), attention (flex
-templates, flash/efficient SDPA kernels), loss (every other kernel launched inside the trainer's
-`dflash.loss` range), optimizer (inside `dflash.optimizer`: clipping and AdamW), other (the rest:
-norms, rope, activations, copies, the attention backward's preprocessing).
+kernels by device time, the matrix products by shape with their TFLOP/s, and a split: matmul
+(cuBLAS/CUTLASS GEMM kernels, the head's included), attention (flex templates, flash/efficient SDPA
+kernels), loss (every other kernel launched inside the trainer's `dflash.loss` range), optimizer
+(inside `dflash.optimizer`: clipping and AdamW), other (the rest: norms, rope, activations, copies,
+the attention backward's preprocessing).
 """
 
 from __future__ import annotations

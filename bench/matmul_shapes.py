@@ -23,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # dflash, for the report's atomic write (bench/common.py)
 
-from common import default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
+from common import default_out, report_header, time_loop, write_report  # noqa: E402  (bench/, the script's own directory)
 
 H, HQ, G, D, FI, V = 4096, 32, 8, 128, 12288, 151936
 N_BLOCK, N_KV, N_CTX, CHUNK, N_TARGET = 16384, 24576, 8192, 8192, 5
@@ -42,20 +42,6 @@ LINEARS = [
     ("fc", N_CTX, N_TARGET * H, H, ("fwd", "wgrad")),
     ("lm_head chunk", CHUNK, H, V, ("fwd", "dgrad")),
 ]
-
-
-def time_ms(fn: Any, reps: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -81,7 +67,7 @@ def main() -> None:
             "wgrad": lambda dy=dy, x=x: dy.t() @ x,
         }
         for p in passes:
-            ms = time_ms(fns[p], args.reps)
+            ms = time_loop(fns[p], "cuda", args.reps, warmup=3)
             tflops = 2 * M * K * N / (ms * 1e-3) / 1e12
             rows.append(
                 {

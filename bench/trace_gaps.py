@@ -99,6 +99,7 @@ def analyse(
     host_by_tid: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
     phases: list[tuple[float, float, str]] = []
     product_flops: dict[str, float | None] = {}  # a matrix product's label (op and dims): its FLOPs
+    product_calls: Counter[str] = Counter()  # and how many times the op ran
     for e in events:
         if e.get("cat") in HOST_CATS:
             start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
@@ -108,6 +109,7 @@ def analyse(
                 # Labelled with its shapes: kernels launched in it are grouped by them below.
                 name = f"{name} {[d for d in dims if d]}"
                 product_flops.setdefault(name, _product_flops(e["name"], dims))
+                product_calls[name] += 1
             host_by_tid[e["tid"]].append((start, end, name))
             if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX):
                 phases.append((start, end, e["name"][len(PHASE_PREFIX) :]))
@@ -231,13 +233,12 @@ def analyse(
             row["device_ms"] = [round((first - t0) / 1e3, 3), round((last - t0) / 1e3, 3)]
         timeline.append(row)
 
-    op_calls = Counter(o[2] for ops in host_by_tid.values() for o in ops if o[2] in product_flops)
     by_shape = []
     for label, us in sorted(products.items(), key=lambda kv: -kv[1]):
         flops = product_flops[label]
         # Every call of a label has the same shapes: its FLOPs once per call of the op. The calls are
         # counted by the op's events, not its kernels (a product may launch a kernel and a reduction).
-        calls = op_calls[label]
+        calls = product_calls[label]
         by_shape.append(
             {
                 "op": label,

@@ -172,7 +172,7 @@ def test_matrix_products_are_grouped_by_shape_with_their_rate():
         {
             "op": "aten::mm [[1024, 512], [512, 256]]",
             "ms": 0.04,
-            "calls": 1 * 2,
+            "calls": 2,
             "tflops": round(2 * big / 40e-6 / 1e12, 1),
         },
         {
