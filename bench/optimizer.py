@@ -5,10 +5,12 @@ trainer calls it) on the 8B drafter's own trainable parameters: the job's Kernel
 H200:  python bench/optimizer.py --sweep --out $OUT/optimizer.json
 CPU:   python bench/optimizer.py --tiny --out /tmp/optimizer.json   (smoke run: off CUDA both are torch's)
 
-Gradients are random (the clip factor applies: the grad_scale path). GB/s counts the bytes each
-update must move: 28 per parameter for the kernel (parameter, gradient and two moments read;
-parameter and moments written), 32 for torch's fused AdamW (it also writes the unscaled gradient
-back), plus 4 per parameter for the gradient norm's read.
+Gradients are random, in each parameter's dtype as the backward makes them (the clip factor
+applies: the grad_scale path). GB/s counts the bytes each update must move: 28 per parameter for
+the kernel (parameter, gradient and two moments read; parameter and moments written; with bf16
+weights (train.bf16_weights) the float32 master, a bf16 gradient and the moments read, master,
+moments and the bf16 weight written: 28 too), 32 for torch's fused AdamW (it also writes the
+unscaled gradient back; timed only on float32 weights), plus the gradient norm's read.
 """
 
 from __future__ import annotations
@@ -49,30 +51,34 @@ def main() -> None:
     n = sum(p.numel() for p in params)
     gen = torch.Generator(device=device).manual_seed(0)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen, device=device) * 10.0  # clipped: norm >> grad_clip
+        p.grad = (torch.randn(p.shape, generator=gen, device=device) * 10.0).to(p.dtype)  # clipped
     clip = cfg.train.grad_clip
     t = cfg.train
     adamw = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
 
+    norm_bytes = sum(p.numel() * p.grad.element_size() for p in params)
+
     def timed(name: str, opt: Any, bytes_per_param: int) -> dict[str, Any]:
         ms = bench_ms(lambda: clip_and_step(opt, params, clip), device, args.reps)
-        gbs = n * (bytes_per_param + 4) / ms / 1e6
+        gbs = (n * bytes_per_param + norm_bytes) / ms / 1e6
         row = {"variant": name, "ms": round(ms, 3), "GB_per_s": round(gbs, 1)}
         print(f"{name:<48} {ms:8.3f} ms  {gbs:8.1f} GB/s", flush=True)
         return row
 
     rows = [timed(f"job: {type(trainer.optimizer).__name__} (the trainer's)", trainer.optimizer, 28)]
-    rows.append(timed("torch AdamW(fused=True)", torch.optim.AdamW(params, fused=True, **adamw), 32))
+    if not trainer.masters:  # torch's would update bf16 weights themselves: not the same step
+        rows.append(timed("torch AdamW(fused=True)", torch.optim.AdamW(params, fused=True, **adamw), 32))
     if args.sweep and not args.tiny:
         for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 16)):
             if (block, warps) != (BLOCK, NUM_WARPS):
-                opt = KernelAdamW(params, block=block, num_warps=warps, **adamw)
+                opt = KernelAdamW(params, masters=trainer.masters, block=block, num_warps=warps, **adamw)
                 rows.append(timed(f"KernelAdamW tile {block}, {warps} warps", opt, 28))
                 del opt
     report = {
         **report_header("optimizer", device == "cuda"),
         "params": n,
         "tensors": len(params),
+        "bf16_weights": trainer.bf16_weights,
         "kernel_default": {"block": BLOCK, "num_warps": NUM_WARPS},
         "results": rows,
     }

@@ -124,12 +124,18 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
 
     from dflash.pipeline import worker_devices
     from dflash.placement import cuda_index, missing_devices, placement_problems
-    from dflash.resolve import resolve_backend, resolve_device
+    from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_device
 
     try:
-        resolve_backend(cfg, resolve_device(cfg))
+        device = resolve_device(cfg)
     except ConfigError as e:
         report.config_error(e)
+    else:
+        for resolve in (resolve_backend, resolve_bf16_weights):
+            try:
+                resolve(cfg, device)
+            except ConfigError as e:
+                report.config_error(e)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = cfg.pipeline
     before = len(report.errors)

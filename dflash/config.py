@@ -339,13 +339,22 @@ class TrainConfig:
     """true | false | auto (true on GPU with attention.compile): each loss chunk's softmax,
     cross-entropy, accuracy and logits gradient as one compiled function (one generated kernel)
     instead of eager elementwise passes over fp32 [chunk, vocab]. Same results, less time and memory."""
+    bf16_weights: str = "auto"
+    """true | false | auto (true on a GPU for a single drafter): the drafter's linear layers hold bf16
+    weights, the ones autocast computes with, and the optimizer keeps their float32 masters and writes
+    the bf16 copies in its update; no cast of each weight every forward nor of each weight gradient
+    every backward. A single drafter's results are the same either way (tests/dflash/
+    test_trainer_step.py, on the GPU). In a drafter group (pipeline.drafters x nnodes > 1), true
+    averages the gradients in bf16: half the all-reduce bytes, and a change of one bf16 rounding in
+    the averaged gradient, which is why auto leaves a group on float32 weights. Needs CUDA."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if str(self.fused_loss).lower() not in ("true", "false", "auto"):
-            raise ConfigError(
-                "train.fused_loss", f"must be true, false or auto, got {_show(self.fused_loss)}"
-            )
+        for key in ("fused_loss", "bf16_weights"):
+            if str(getattr(self, key)).lower() not in ("true", "false", "auto"):
+                raise ConfigError(
+                    f"train.{key}", f"must be true, false or auto, got {_show(getattr(self, key))}"
+                )
         if len(self.betas) != 2:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 

@@ -99,7 +99,12 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
 
 
 def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
+    import torch
+
+    from dflash.resolve import resolve_bf16_weights
     from dflash.shapes import shape_plan
+
+    bf16_weights = resolve_bf16_weights(cfg, torch.device(device_type))
 
     return {
         "target": target_fingerprint(cfg, spec, target_path),
@@ -108,6 +113,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "target_dtype": cfg.target.dtype,
         "autocast": "bfloat16" if device_type == "cuda" else None,
+        "linear_weights": "bfloat16" if bf16_weights else "float32",  # the layers' graphs take them
         "attention": {
             "backend": backend,
             "compile": cfg.attention.compile,

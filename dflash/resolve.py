@@ -1,5 +1,5 @@
 """What a job config resolves to on this machine, decided without building a model: device,
-attention backend, kernel strictness, the fused loss, the captured target layers, and the
+attention backend, kernel strictness, the fused loss, the weights' dtype, the captured target layers, and the
 process state compiled code depends on (intra-op threads, DDP) for each kind of job process.
 
 The trainer, the launcher, the workers, warm-cache, the fingerprint and the config check
@@ -18,6 +18,7 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.errors import ConfigError
+from dflash.triton_jit import interpreted
 
 
 def resolve_device(cfg: JobConfig) -> torch.device:
@@ -50,6 +51,23 @@ def resolve_fused_loss(cfg: JobConfig, device: torch.device) -> bool:
     CPU the eager chunk is fast enough, and a compile costs every short CPU run seconds)."""
     s = str(cfg.train.fused_loss).lower()
     return device.type == "cuda" and cfg.attention.compile if s == "auto" else s == "true"
+
+
+def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
+    """train.bf16_weights: auto is true on a GPU for a single drafter, where the results are the same
+    as with float32 weights; a drafter group would average bf16 gradients (the config's docstring).
+    The float32 masters live in dflash.optim_kernel's KernelAdamW, which runs on CUDA (and on the CPU
+    only under Triton's interpreter, for the tests)."""
+    s = str(cfg.train.bf16_weights).lower()
+    if s == "auto":
+        return device.type == "cuda" and drafter_world(cfg) == 1
+    if s == "true" and device.type != "cuda" and not interpreted():
+        raise ConfigError(
+            "train.bf16_weights",
+            f"is true but the drafter runs on {device.type}: the float32 masters are kept by the GPU "
+            "optimizer's kernel; use auto or false off the GPU",
+        )
+    return s == "true"
 
 
 def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:

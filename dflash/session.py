@@ -368,7 +368,7 @@ class DrafterSide:
         path = save_checkpoint(
             self.run.checkpoints,
             self.trainer.step,
-            weights=self.trainer.model.trainable_state_dict(),
+            weights=self.trainer.weights(),
             hf_config=self.spec.to_hf_config(),
             trainer_state=state,
             keep_last=self.cfg.train.keep_last,

@@ -30,7 +30,7 @@ from dflash.objective import (
     trained_count,
 )
 from dflash.optim_kernel import KernelAdamW
-from dflash.resolve import resolve_backend, resolve_fused_loss
+from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_fused_loss
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
 
@@ -85,6 +85,37 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=[index])
 
 
+def bf16_working_weights(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+    """Turn the model's linear weights to bf16 in place (train.bf16_weights) and return each one's
+    float32 master: its value before. The norms' weights stay float32: under autocast their products
+    are float32, so bf16 weights there would change the results."""
+    masters: dict[torch.Tensor, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.requires_grad:
+            w = module.weight
+            masters[w] = w.detach().clone().to(torch.float32)
+            w.data = w.data.to(torch.bfloat16)
+    return masters
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients' global 2-norm, accumulated in float32 whatever their dtype, in their order:
+    bf16 gradients give the norm their values give as float32 (torch's get_total_norm would round
+    each one's norm to bf16 and reorder them by dtype)."""
+    if not grads:
+        return torch.zeros(())
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.device, g.dtype), []).append(i)
+    for indices in by_kind.values():
+        per_tensor = torch._foreach_norm([grads[i] for i in indices], 2.0, dtype=torch.float32)
+        for i, n in zip(indices, per_tensor, strict=True):
+            norms[i] = n
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms if n is not None]), 2.0)
+
+
 def clip_and_step(
     optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
 ) -> torch.Tensor:
@@ -96,7 +127,7 @@ def clip_and_step(
     unscales through), so the clip factor goes there instead of a separate pass over every gradient
     (2.3 ms of the 8B step on the H200). Same update as clip_grad_norm_ then step, to the rounding of g / (1 / c) against g * c."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norm = total_norm(grads)
     if getattr(optimizer, "defaults", {}).get("fused"):
         # clip_grad_norm_'s factor c = min(1, max_norm / (norm + 1e-6)); the kernel divides by 1 / c.
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # type: ignore[attr-defined]
@@ -174,6 +205,7 @@ class DrafterTrainer:
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
         self.fused_loss = resolve_fused_loss(cfg, device)
+        self.bf16_weights = resolve_bf16_weights(cfg, device)
         self.plan = plan if plan is not None else shape_plan(cfg)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = DFlashDrafter(
@@ -185,6 +217,8 @@ class DrafterTrainer:
             compile=cfg.attention.compile,
             tuned_kernels=cfg.attention.tuned_kernels,
         ).to(device)
+        # Before DDP sees the parameters: its gradient buckets take their dtype.
+        self.masters = bf16_working_weights(model) if self.bf16_weights else {}
         # Every compiled part of this process (the drafter's layers; the target's too in the
         # single-process job and in warm): the plan's graphs, nothing else (dflash.shapes).
         apply_recompile_limit(self.plan)
@@ -197,7 +231,9 @@ class DrafterTrainer:
         # On the GPU, torch's fused AdamW with the update as dflash.optim_kernel's kernel (the same
         # state and state_dict, 29.4 instead of 33.6 GB of memory traffic per 8B step).
         self.optimizer: torch.optim.Optimizer = (
-            KernelAdamW(params, **adamw) if device.type == "cuda" else torch.optim.AdamW(params, **adamw)
+            KernelAdamW(params, masters=self.masters, **adamw)
+            if device.type == "cuda" or self.masters
+            else torch.optim.AdamW(params, **adamw)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
@@ -297,8 +333,22 @@ class DrafterTrainer:
             "anchor_gen": self.anchor_gen.get_state(),
         }
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The drafter's trainable weights as a checkpoint holds them: the float32 masters of the
+        weights the model holds in bf16 (train.bf16_weights), so that a resume is exact."""
+        named = dict(self.model.named_parameters())
+        return {
+            k: self.masters[named[k]] if k in named and named[k] in self.masters else v
+            for k, v in self.model.trainable_state_dict().items()
+        }
+
     def load_state_dict(self, state: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+        # Into a bf16 weight the copy rounds to nearest, as the optimizer writes it from its master.
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p in self.masters and name in weights:
+                    self.masters[p].copy_(weights[name])
         trainable = set(self.model.trainable_state_dict())
         really_missing = [k for k in missing if k in trainable]
         if really_missing or unexpected:

@@ -248,3 +248,13 @@ def test_human_output(tmp_path, capsys):
     assert "error: train.lr: must be a positive number" in out and "1 error(s)" in out
     assert check.main([DEMO, "--set", f"run.runs_root={tmp_path}"]) == 0
     assert "ok (hidden-state queue:" in capsys.readouterr().out
+
+
+def test_bf16_weights_off_the_gpu_is_refused_before_anything_starts(tmp_path, capsys):
+    """train.bf16_weights=true keeps float32 masters in the GPU optimizer's kernel: on the CPU it is
+    a config error naming the key; a misspelt value too."""
+    rc, report = _check(capsys, DEMO, *_sets(f"run.runs_root={tmp_path / 'runs'}", "train.bf16_weights=true"))
+    assert rc == 2 and _keys(report) == ["train.bf16_weights"], report["errors"]
+    assert "use auto or false" in report["errors"][0]["message"]
+    rc, report = _check(capsys, DEMO, *_sets(f"run.runs_root={tmp_path / 'runs'}", "train.bf16_weights=yes"))
+    assert rc == 2 and _keys(report) == ["train.bf16_weights"] and "'yes'" in report["errors"][0]["message"]

@@ -71,3 +71,24 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(_write(tmp_path, "[run\n"))
+
+
+def test_bf16_weights_resolves_on_for_a_single_gpu_drafter_only(repo):
+    """auto: bf16 weights where a single drafter runs on a GPU (same results); a drafter group
+    stays on float32 weights (its gradients would be averaged in bf16); false is false anywhere."""
+    import torch
+
+    from dflash.resolve import resolve_bf16_weights
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    single = load_config(repo / "configs" / "qwen3-8b.toml")
+    group = load_config(repo / "configs" / "qwen3.6-27b-5t3d.toml")
+    assert resolve_bf16_weights(single, cuda) and not resolve_bf16_weights(single, cpu)
+    assert not resolve_bf16_weights(group, cuda)
+    forced = load_config(repo / "configs" / "qwen3.6-27b-5t3d.toml", ["train.bf16_weights=true"])
+    assert resolve_bf16_weights(forced, cuda)
+    off = load_config(repo / "configs" / "qwen3-8b.toml", ["train.bf16_weights=false"])
+    assert not resolve_bf16_weights(off, cuda)
+    with pytest.raises(ConfigError) as e:
+        resolve_bf16_weights(forced, cpu)
+    assert e.value.key == "train.bf16_weights"

@@ -133,10 +133,88 @@ def check_unsupported_parameter_takes_torch_step() -> None:
     assert opt._host_steps[p32] == 3.0 and opt._host_steps[p64] == 1.0
 
 
+def _bf16_grads(params: list[nn.Parameter], step: int, scale: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(200 + step)
+    return [(torch.randn(p.shape, generator=gen) * scale).to(torch.bfloat16) for p in params]
+
+
+def _with_masters(
+    values: list[torch.Tensor], device: str
+) -> tuple[list[nn.Parameter], dict[torch.Tensor, torch.Tensor]]:
+    """bf16 parameters and their float32 masters, as trainer.bf16_working_weights makes them."""
+    params = [nn.Parameter(v.to(device, torch.bfloat16)) for v in values]
+    return params, {p: v.to(device, torch.float32).clone() for p, v in zip(params, values, strict=True)}
+
+
+def _run_masters_against_float32(device: str, steps: int, scale: float, shapes=SHAPES) -> None:
+    """bf16 parameters updated through float32 masters from bf16 gradients, against float32
+    parameters updated from the same gradient values in float32 (what autocast gives float32
+    weights): norm, masters and moments bitwise equal to the float32 run's, and every bf16
+    parameter the master rounded to nearest."""
+    start = _params(device, shapes)
+    ref = [nn.Parameter(p.detach().clone()) for p in start]
+    mine, masters = _with_masters([p.detach() for p in start], device)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    opt_ref = optim_kernel.KernelAdamW(ref, **kw)
+    opt = optim_kernel.KernelAdamW(mine, masters=masters, **kw)
+    for step in range(steps):
+        for p, q, g in zip(ref, mine, _bf16_grads(ref, step, scale), strict=True):
+            p.grad, q.grad = g.to(device, torch.float32), g.to(device)
+        assert all(optim_kernel.supports(p, masters[p]) for p in mine)
+        want = clip_and_step(opt_ref, ref, 1.0)
+        got = clip_and_step(opt, mine, 1.0)
+        assert torch.equal(got, want)
+        for a, b in zip(mine, ref, strict=True):
+            sa, sb = opt.state[a], opt_ref.state[b]
+            assert sa["exp_avg"].dtype == sa["exp_avg_sq"].dtype == torch.float32
+            assert torch.equal(masters[a], b.detach())
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(
+                sa["exp_avg_sq"], sb["exp_avg_sq"]
+            )
+            assert a.dtype == torch.bfloat16 and torch.equal(a.detach(), b.detach().to(torch.bfloat16))
+    moved = max(float((masters[a] - b).abs().max()) for a, b in zip(mine, start, strict=True) if a.numel())
+    assert moved > 1e-2, "the parameters did not move"
+
+
+def check_masters_update_as_float32_parameters() -> None:
+    _run_masters_against_float32("cpu", steps=3, scale=100.0)
+    _run_masters_against_float32("cpu", steps=2, scale=1e-3)
+
+
+def check_masters_state_dict_keeps_float32_moments() -> None:
+    """torch's load_state_dict casts moments to the parameter's dtype; a bf16 parameter's moments
+    are its master's and must come back float32, exactly, and the next step continue as before."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    values = [p.detach() for p in _params("cpu")]
+    mine, masters = _with_masters(values, "cpu")
+    opt = optim_kernel.KernelAdamW(mine, masters=masters, **kw)
+    for step in range(2):
+        for p, g in zip(mine, _bf16_grads(mine, step, 1.0), strict=True):
+            p.grad = g
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    back, back_masters = _with_masters([masters[p] for p in mine], "cpu")
+    opt_back = optim_kernel.KernelAdamW(back, masters=back_masters, **kw)
+    opt_back.load_state_dict(saved)
+    for a, b in zip(back, mine, strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt_back.state[a][key].dtype == torch.float32
+            assert torch.equal(opt_back.state[a][key], opt.state[b][key])
+    for params in (mine, back):
+        for p, g in zip(params, _bf16_grads(params, 2, 1.0), strict=True):
+            p.grad = g
+    opt.step()
+    opt_back.step()
+    for a, b in zip(back, mine, strict=True):
+        assert torch.equal(back_masters[a], masters[b]) and torch.equal(a.detach(), b.detach())
+
+
 CHECKS = {
     "against torch": check_kernel_matches_torch_fused_adamw,
     "state_dict": check_state_dict_is_torch_adamw_s,
     "fallback": check_unsupported_parameter_takes_torch_step,
+    "masters": check_masters_update_as_float32_parameters,
+    "masters state_dict": check_masters_state_dict_keeps_float32_moments,
 }
 
 
@@ -151,6 +229,19 @@ def test_off_cuda_without_the_interpreter_the_parent_steps():
     assert not any(optim_kernel.supports(p) for p in params)
 
 
+def test_a_bf16_parameter_is_never_stepped_without_its_master():
+    """Where the kernel cannot run (here: the CPU without the interpreter), the parent's step would
+    update the bf16 values themselves and lose the float32 master: an error that names the way out."""
+    params, masters = _with_masters([p.detach() for p in _params("cpu")], "cpu")
+    for p, g in zip(params, _bf16_grads(params, 0, 1.0), strict=True):
+        p.grad = g
+    opt = optim_kernel.KernelAdamW(params, masters=masters, lr=1e-2)
+    with pytest.raises(RuntimeError, match="train.bf16_weights=false"):
+        opt.step()
+    with pytest.raises(ValueError, match="not its parameters"):
+        optim_kernel.KernelAdamW(params[:1], masters=masters, lr=1e-2)
+
+
 def test_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="amsgrad"):
         optim_kernel.KernelAdamW(_params("cpu"), amsgrad=True)
@@ -163,6 +254,13 @@ def test_kernel_on_gpu_matches_torch_fused_adamw():
     shapes = (*SHAPES, (4096, 1024))
     _run_against_torch("cuda", steps=4, scale=100.0, block=optim_kernel.BLOCK, shapes=shapes)
     _run_against_torch("cuda", steps=2, scale=1e-3, block=optim_kernel.BLOCK, shapes=shapes)
+
+
+@pytest.mark.gpu
+def test_masters_on_gpu_update_as_float32_parameters():
+    """The bf16-weights path compiled on the GPU: bitwise the float32 parameters' update."""
+    shapes = (*SHAPES, (4096, 1024))
+    _run_masters_against_float32("cuda", steps=3, scale=100.0, shapes=shapes)
 
 
 if __name__ == "__main__":

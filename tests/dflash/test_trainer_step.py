@@ -3,6 +3,7 @@ waits for the device before its optimizer update (checked for real on the GPU)."
 
 from __future__ import annotations
 
+import copy
 import math
 import traceback
 import warnings
@@ -99,6 +100,19 @@ def _trainer(repo: Path, dev: torch.device, dtype: torch.dtype, *sets: str):
     return DrafterTrainer(cfg, spec, embed, head, dev), spec
 
 
+CPU_SETS = (  # a small CPU drafter: one 128-token bucket, uncompiled sdpa
+    "run.device=cpu",
+    "attention.backend=sdpa",
+    "attention.compile=false",
+    "target.dtype=float32",
+    "data.max_seq_len=128",
+    "data.bucket_multiple=128",
+    "train.token_budget=256",
+    "train.num_anchors=16",
+    "drafter.sliding_window=32",
+)
+
+
 def _batches(spec, n: int, features_dtype: torch.dtype, B: int = 2, S: int = 512) -> list[tuple]:
     """n host batches of one shape, as pad_batch hands them to the trainer."""
     gen = torch.Generator().manual_seed(1)
@@ -122,17 +136,7 @@ def test_step_ahead_reads_each_step_once_in_order_and_drains_checkpoint_steps(re
     from dflash.trainer import StepAhead
 
     # One 128-token bucket: the order and drain semantics do not need the 512 one (a quarter the CPU).
-    sets = (
-        "run.device=cpu",
-        "attention.backend=sdpa",
-        "attention.compile=false",
-        "target.dtype=float32",
-        "data.max_seq_len=128",
-        "data.bucket_multiple=128",
-        "train.token_budget=256",
-        "train.num_anchors=16",
-        "drafter.sliding_window=32",
-    )
+    sets = CPU_SETS
     cpu = torch.device("cpu")
     batches = _batches(_trainer(repo, cpu, torch.float32, *sets)[1], 5, torch.float32, S=128)
     ref, _ = _trainer(repo, cpu, torch.float32, *sets)
@@ -168,6 +172,88 @@ def test_step_ahead_reads_each_step_once_in_order_and_drains_checkpoint_steps(re
     assert [r.loss for r in results] == [r.loss for r in want]
     assert [r.grad_norm for r in results] == [r.grad_norm for r in want]
     assert [r.acc_per_pos for r in results] == [r.acc_per_pos for r in want]
+
+
+def test_bf16_weights_checkpoint_holds_the_float32_masters(repo, monkeypatch):
+    """train.bf16_weights: every linear weight is bf16 and its float32 master starts at the float32
+    run's initial value; the norms stay float32. A checkpoint's weights are the masters (exact
+    resume), and they load back into a bf16-weights trainer (masters exact, weights rounded to
+    nearest) and into a float32 one alike. No step is taken: off the GPU the masters' kernel runs
+    only under Triton's interpreter, which resolve_bf16_weights accepts for this construction."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    trainer, _ = _trainer(repo, cpu, torch.float32, *CPU_SETS, "train.bf16_weights=true")
+    plain, _ = _trainer(repo, cpu, torch.float32, *CPU_SETS, "train.bf16_weights=false")
+    assert trainer.bf16_weights and not plain.bf16_weights and not plain.masters
+    linears = {n for n, m in trainer.model.named_modules() if isinstance(m, nn.Linear)}
+    named = dict(trainer.model.named_parameters())
+    for name, p in named.items():
+        want = torch.bfloat16 if name.removesuffix(".weight") in linears else torch.float32
+        assert p.dtype == want, name
+        assert (p in trainer.masters) == (want == torch.bfloat16), name
+    assert len(trainer.masters) == len(linears) == 1 + 7 * trainer.spec.num_layers
+    start = trainer.weights()
+    for name, p in plain.model.named_parameters():
+        assert start[name].dtype == torch.float32 and torch.equal(start[name], p.detach()), name
+    with torch.no_grad():  # as training leaves them: masters off the bf16 grid
+        for p, master in trainer.masters.items():
+            master.add_(torch.randn(master.shape, generator=torch.Generator().manual_seed(3)) * 1e-4)
+            p.copy_(master)
+    saved = {k: v.clone() for k, v in trainer.weights().items()}
+    assert all(torch.equal(saved[n], trainer.masters[p]) for n, p in named.items() if p in trainer.masters)
+    again, _ = _trainer(repo, cpu, torch.float32, *CPU_SETS, "train.bf16_weights=true")
+    again.load_state_dict(trainer.state_dict(), saved)
+    for name, p in again.model.named_parameters():
+        if p in again.masters:
+            assert torch.equal(again.masters[p], saved[name]) and torch.equal(p, saved[name].to(p.dtype)), (
+                name
+            )
+        else:
+            assert torch.equal(p, saved[name]), name
+    plain.load_state_dict(trainer.state_dict(), saved)
+    assert all(torch.equal(p, saved[n]) for n, p in plain.model.named_parameters())
+
+
+@pytest.mark.gpu
+def test_bf16_weights_train_as_float32_weights_and_resume_exactly(repo):
+    """On the GPU, the job's own step: bf16 weights with float32 masters against float32 weights
+    under autocast, three steps of the same batches. The maths is the same, not the rounding order:
+    without the weights' casts inductor fuses the layers' other kernels differently (H200, 2026-12-03:
+    the first loss 6.96841 against 6.96846, the same matrix-product kernels), so losses, gradient
+    norms and weights agree to bf16 tolerance, far inside what three steps move them. A resume from
+    the checkpoint's weights (the masters) then continues bitwise."""
+    dev = torch.device("cuda")
+    ref, spec = _trainer(repo, dev, torch.bfloat16, "train.bf16_weights=false")
+    mine, _ = _trainer(repo, dev, torch.bfloat16)  # auto: a single drafter on a GPU
+    assert mine.bf16_weights and not ref.bf16_weights
+    assert all(p.dtype == torch.bfloat16 for p in mine.masters)
+    start = {k: v.clone() for k, v in ref.weights().items()}
+    batches = _batches(spec, 5, torch.bfloat16)
+    want = [ref.train_step(*b) for b in batches[:3]]
+    got = [mine.train_step(*b) for b in batches[:3]]
+    for a, b in zip(got, want, strict=True):
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-4), (a.loss, b.loss)
+        assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-2), (a.grad_norm, b.grad_norm)
+        assert a.acc_per_pos == pytest.approx(b.acc_per_pos, abs=0.01)
+    theirs = ref.weights()
+    for name, w in mine.weights().items():
+        # Norms, not maxima: Adam's first steps move each weight by about lr * sign(gradient), and a
+        # gradient near zero may take the other sign under the other rounding.
+        moved = float((theirs[name] - start[name]).norm())
+        apart = float((w - theirs[name]).norm())
+        assert w.dtype == torch.float32 and moved > 0 and apart <= 0.2 * moved, (name, apart, moved)
+    resumed, _ = _trainer(repo, dev, torch.bfloat16)
+    # As a checkpoint hands them over: copies, not the live optimizer's tensors.
+    resumed.load_state_dict(
+        copy.deepcopy(mine.state_dict()), {k: v.clone() for k, v in mine.weights().items()}
+    )
+    for b in batches[3:]:
+        x, y = mine.train_step(*b), resumed.train_step(*b)
+        assert (x.loss, x.grad_norm) == (y.loss, y.grad_norm)
+    for p, q in zip(mine.params, resumed.params, strict=True):
+        assert torch.equal(p, q)
+        if p in mine.masters:
+            assert torch.equal(mine.masters[p], resumed.masters[q])
 
 
 @pytest.mark.gpu
