@@ -284,6 +284,10 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     now = time.time()
     gpus = state.nvml.read_gpus()
     xid = state.nvml.poll_xids()
+    # The lock before the files: a job writes its last records, then releases job.lock as it exits.
+    # Read the other way round, a job that ended between the two reads looked stopped with no
+    # "stopped" event (a "not running" warning for a completed job).
+    job = _job(state.run_dir, state.probe.fs.root)
     metrics = state.metrics.read()
     events = [e for e in state.events.read() if e.get("event") not in SKIPPED_EVENTS]
     if state._first:
@@ -301,7 +305,7 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
         "workers": _workers(state, now, gpus),
         "metrics": metrics,
         "events": events,
-        "job": _job(state.run_dir, state.probe.fs.root),
+        "job": job,
     }
     manifest = _manifest_if_changed(state)
     if manifest is not None:

@@ -217,3 +217,34 @@ def test_keep_writes_compact_samples_only_while_holding_the_watch_lock(tmp_path:
         for st in (keeper, reader):
             if st._lock_fd is not None:
                 os.close(st._lock_fd)
+
+
+def test_a_job_that_ends_between_the_reads_is_never_seen_stopped_without_its_records(tmp_path: Path) -> None:
+    """The job writes its "stopped" event, then releases job.lock as it exits. If that happens while
+    a sample is being taken, the sample shows the lock held (the job was running when it was read),
+    never a free lock without the event (a "not running" warning for a completed job: the demo
+    test's flake of 2026-12-03)."""
+    now = time.time()
+    run = tmp_path / "run"
+    proc = proc_root(tmp_path, now - 86400)
+    (run / "workers").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps(manifest()))
+    (run / "job.lock").write_text("41000\n")
+    hold_lock(proc, run / "job.lock", 41000)
+    append_jsonl(run / "events.jsonl", {"event": "started"})
+    state = _state(run, proc, FakeNVML([]))
+    read_events = state.events.read
+
+    def job_ends_right_after_this_read() -> list:
+        records = read_events()
+        append_jsonl(run / "events.jsonl", {"event": "stopped", "reason": "completed"})
+        (proc / "locks").write_text("")  # the job exited
+        return records
+
+    state.events.read = job_ends_right_after_this_read  # type: ignore[method-assign]
+    s = sample_once(state)
+    stopped = [e for e in s["events"] if e["event"] == "stopped"]
+    assert s["job"]["lock_held"] is True or stopped, s["job"]
+    state.events.read = read_events  # type: ignore[method-assign]
+    after = sample_once(state)
+    assert after["job"]["lock_held"] is False and [e["event"] for e in after["events"]] == ["stopped"]
