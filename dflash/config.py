@@ -343,10 +343,12 @@ class TrainConfig:
     """true | false | auto (true on a GPU for a single drafter): the drafter's linear layers hold bf16
     weights, the ones autocast computes with, and the optimizer keeps their float32 masters and writes
     the bf16 copies in its update; no cast of each weight every forward nor of each weight gradient
-    every backward. A single drafter's results are the same either way (tests/dflash/
-    test_trainer_step.py, on the GPU). In a drafter group (pipeline.drafters x nnodes > 1), true
-    averages the gradients in bf16: half the all-reduce bytes, and a change of one bf16 rounding in
-    the averaged gradient, which is why auto leaves a group on float32 weights. Needs CUDA."""
+    every backward (3.5 ms of the 8B step on the H200). A single drafter computes the same maths
+    either way, in another rounding order (inductor fuses the layers differently without the casts):
+    results agree to bf16 tolerance, not bitwise (tests/dflash/test_trainer_step.py, on the GPU). In
+    a drafter group (pipeline.drafters x nnodes > 1), true averages the gradients in bf16: half the
+    all-reduce bytes, and one bf16 rounding more in the averaged gradient, which is why auto leaves a
+    group on float32 weights. Needs CUDA."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -1,6 +1,7 @@
 """What a job config resolves to on this machine, decided without building a model: device,
-attention backend, kernel strictness, the fused loss, the weights' dtype, the captured target layers, and the
-process state compiled code depends on (intra-op threads, DDP) for each kind of job process.
+attention backend, kernel strictness, the fused loss, the weights' dtype, the captured target
+layers, and the process state compiled code depends on (intra-op threads, DDP) for each kind of
+job process.
 
 The trainer, the launcher, the workers, warm-cache, the fingerprint and the config check
 (dflash.check) all ask here, so they cannot disagree. Deliberately light (no transformers import):
@@ -54,8 +55,8 @@ def resolve_fused_loss(cfg: JobConfig, device: torch.device) -> bool:
 
 
 def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
-    """train.bf16_weights: auto is true on a GPU for a single drafter, where the results are the same
-    as with float32 weights; a drafter group would average bf16 gradients (the config's docstring).
+    """train.bf16_weights: auto is true on a GPU for a single drafter (the same maths as float32
+    weights, to bf16 tolerance); a drafter group would average bf16 gradients (the config's docstring).
     The float32 masters live in dflash.optim_kernel's KernelAdamW, which runs on CUDA (and on the CPU
     only under Triton's interpreter, for the tests)."""
     s = str(cfg.train.bf16_weights).lower()
