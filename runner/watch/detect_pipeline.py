@@ -80,13 +80,18 @@ def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
         )
         targets = "idle" if target_util is None else f"at {fmt_pct(target_util)} (median)"
         drafters = snap.role("drafter")
-        # Every drafter alive, stepping and (where NVML reads it) busy: they are merely the slower
-        # half of a healthy pipeline. Critical is for drafters that are dead, stuck or idle.
+        # Every drafter alive, stepping, heartbeating and (where NVML reads it) busy: they are merely
+        # the slower half of a healthy pipeline. Critical is for drafters that are dead, stuck, frozen
+        # (a heartbeat older than stale_s: hung_worker's "frozen", which comes before hung_s) or idle.
         working = (
             bool(drafters)
             and not idle
             and all(
-                w.alive and w.progress_age_s is not None and w.progress_age_s <= th.hung_s for w in drafters
+                w.alive
+                and w.progress_age_s is not None
+                and w.progress_age_s <= th.hung_s
+                and (w.age_s is None or w.age_s <= th.stale_s)
+                for w in drafters
             )
         )
         if working:

@@ -177,6 +177,21 @@ def test_starved_pipeline_drafters_are_the_bottleneck() -> None:
     assert starved.numbers["idle_drafter_gpus"] == [2, 3]
 
 
+def test_a_frozen_drafter_is_not_called_stepping() -> None:
+    """A drafter whose heartbeat went stale (SIGSTOP: the demo's fault) before its progress age
+    reaches hung_s: hung_worker already calls it frozen, so the bottleneck is critical, not "every
+    drafter is stepping" (the demo of 2026-12-03 showed both at once)."""
+    s = _queues(sample(), [50, 46], [0])
+    for i, u in ((0, 4), (1, 6), (2, 97), (3, 99)):  # blocked targets, busy drafters
+        s = with_gpu(s, i, util_gpu=u)
+    assert kinds(run(s)) == [("info", "drafters_bottleneck", "pipeline")], "busy drafters: the slower half"
+    s = with_worker(s, "drafter-0", age_s=12.0, progress_age_s=12.0, proc_state="stopped")
+    f = run(s)
+    assert ("critical", "hung_worker", "drafter-0") in kinds(f)
+    starved = next(x for x in f if x.kind == "drafters_bottleneck")
+    assert starved.severity == "critical" and "every drafter is stepping" not in starved.message
+
+
 def test_a_stopped_job_s_last_queue_readings_are_no_bottleneck() -> None:
     """After the job stops its last metrics still read q_pre full and q_hs empty (the targets are done,
     the drafters gone): no finding. Relaunched, the same readings are the bottleneck again."""
