@@ -19,7 +19,7 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.errors import ConfigError
-from dflash.triton_jit import interpreted
+from dflash.triton_jit import kernel_device
 
 
 def resolve_device(cfg: JobConfig) -> torch.device:
@@ -62,7 +62,7 @@ def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.train.bf16_weights).lower()
     if s == "auto":
         return device.type == "cuda" and drafter_world(cfg) == 1
-    if s == "true" and device.type != "cuda" and not interpreted():
+    if s == "true" and not kernel_device(device):
         raise ConfigError(
             "train.bf16_weights",
             f"is true but the drafter runs on {device.type}: the float32 masters are kept by the GPU "

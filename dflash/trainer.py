@@ -93,7 +93,7 @@ def bf16_working_weights(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.requires_grad:
             w = module.weight
-            masters[w] = w.detach().clone().to(torch.float32)
+            masters[w] = w.detach().to(torch.float32, copy=True)
             w.data = w.data.to(torch.bfloat16)
     return masters
 
@@ -336,11 +336,8 @@ class DrafterTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """The drafter's trainable weights as a checkpoint holds them: the float32 masters of the
         weights the model holds in bf16 (train.bf16_weights), so that a resume is exact."""
-        named = dict(self.model.named_parameters())
-        return {
-            k: self.masters[named[k]] if k in named and named[k] in self.masters else v
-            for k, v in self.model.trainable_state_dict().items()
-        }
+        masters = {n: self.masters[p] for n, p in self.model.named_parameters() if p in self.masters}
+        return {**self.model.trainable_state_dict(), **masters}
 
     def load_state_dict(self, state: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
         # Into a bf16 weight the copy rounds to nearest, as the optimizer writes it from its master.

@@ -20,9 +20,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def kernel_device(device: torch.device) -> bool:
+    """The kernels run on this device: CUDA, or the CPU under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
 def on_kernel_device(x: torch.Tensor) -> bool:
-    """x lives where the kernels run: CUDA, or the CPU under the interpreter."""
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreted())
+    """x lives where the kernels run (kernel_device)."""
+    return kernel_device(x.device)
 
 
 def jit_per_mode(build: Callable[[], Any]) -> Callable[[], Any]:

@@ -67,14 +67,20 @@ def _state(run: Path, proc: Path, fake: FakeNVML, **kw: object) -> SamplerState:
     )  # type: ignore[arg-type]
 
 
-def test_sample_schema_gpu_join_and_increments(tmp_path: Path) -> None:
-    now = time.time()
+def _locked_run(tmp_path: Path, now: float) -> tuple[Path, Path]:
+    """A run directory whose job.lock pid 41000 holds, and the fake /proc that says so."""
     run = tmp_path / "run"
     proc = proc_root(tmp_path, now - 86400)
     (run / "workers").mkdir(parents=True)
     (run / "run.json").write_text(json.dumps(manifest()))
     (run / "job.lock").write_text("41000\n")
     hold_lock(proc, run / "job.lock", 41000)
+    return run, proc
+
+
+def test_sample_schema_gpu_join_and_increments(tmp_path: Path) -> None:
+    now = time.time()
+    run, proc = _locked_run(tmp_path, now)
     # target-0 in this namespace; drafter-0 in a container (pid 7 inside, 41007 on the host); drafter-1 gone.
     add_proc(proc, 500, start=now - 100)
     add_proc(proc, 41007, start=now - 100, nspid=(41007, 7))
@@ -224,13 +230,7 @@ def test_a_job_that_ends_between_the_reads_is_never_seen_stopped_without_its_rec
     a sample is being taken, the sample shows the lock held (the job was running when it was read),
     never a free lock without the event (a "not running" warning for a completed job: the demo
     test's flake of 2026-12-03)."""
-    now = time.time()
-    run = tmp_path / "run"
-    proc = proc_root(tmp_path, now - 86400)
-    (run / "workers").mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps(manifest()))
-    (run / "job.lock").write_text("41000\n")
-    hold_lock(proc, run / "job.lock", 41000)
+    run, proc = _locked_run(tmp_path, time.time())
     append_jsonl(run / "events.jsonl", {"event": "started"})
     state = _state(run, proc, FakeNVML([]))
     read_events = state.events.read
