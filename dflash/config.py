@@ -260,11 +260,19 @@ class AttentionConfig:
     """flex: compile with the kernel options (tiles, stages, warps) measured best for the DFlash mask
     on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
     defaults. GPUs without a measured entry always get the defaults."""
+    flex_backward: str = "auto"
+    """flex | kernel | auto (kernel on GPU): flex's own backward kernel, or dflash's hand-written one
+    for the DFlash mask (dflash.attention.flex_backward: the same tiles and arithmetic, its programs
+    run longest first; docs/BENCHMARKS.md). The forward is flex's either way."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.backend not in ("flex", "sdpa", "auto"):
             raise ConfigError("attention.backend", f"must be flex, sdpa or auto, got {self.backend!r}")
+        if self.flex_backward not in ("flex", "kernel", "auto"):
+            raise ConfigError(
+                "attention.flex_backward", f"must be flex, kernel or auto, got {self.flex_backward!r}"
+            )
         if str(self.strict_kernels) not in ("true", "false", "auto", "True", "False"):
             raise ConfigError("attention.strict_kernels", "must be true, false or auto")
 

@@ -101,7 +101,7 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
 def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
     import torch
 
-    from dflash.resolve import resolve_bf16_weights
+    from dflash.resolve import resolve_bf16_weights, resolve_flex_backward
     from dflash.shapes import shape_plan
 
     bf16_weights = resolve_bf16_weights(cfg, torch.device(device_type))
@@ -118,6 +118,8 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "backend": backend,
             "compile": cfg.attention.compile,
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
+            # The layers' graphs hold flex's backward or the kernel's op.
+            "flex_backward": resolve_flex_backward(cfg, torch.device(device_type)),
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
         "drafter": spec.to_dict(),

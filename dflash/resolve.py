@@ -42,6 +42,15 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
     return backend
 
 
+def resolve_flex_backward(cfg: JobConfig, device: torch.device) -> str:
+    """attention.flex_backward: auto takes the hand-written kernel where kernels run (a GPU); flex
+    otherwise (the CPU trains with sdpa, and flex has no CPU backward of its own)."""
+    choice = cfg.attention.flex_backward
+    if choice == "auto":
+        return "kernel" if device.type == "cuda" else "flex"
+    return choice
+
+
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.attention.strict_kernels).lower()
     return device.type == "cuda" if s == "auto" else s == "true"

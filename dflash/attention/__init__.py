@@ -35,14 +35,20 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(
-    name: str, *, sdpa_chunk_blocks: int = 64, compile: bool = True, tuned_kernels: bool = True
+    name: str,
+    *,
+    sdpa_chunk_blocks: int = 64,
+    compile: bool = True,
+    tuned_kernels: bool = True,
+    flex_backward: str = "flex",
 ) -> AttentionBackend:
     """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip.
-    tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS)."""
+    tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS);
+    flex_backward: flex's own backward or the hand-written kernel (dflash.attention.flex_backward)."""
     if name == "flex":
         from dflash.attention.flex import FlexBackend
 
-        return FlexBackend(compile=compile, tuned=tuned_kernels)
+        return FlexBackend(compile=compile, tuned=tuned_kernels, backward=flex_backward)
     if name == "sdpa":
         from dflash.attention.sdpa import SdpaBackend
 

@@ -10,6 +10,7 @@ threads); workers are processes.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -17,8 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from dflash.attention.flex_backward import DEFAULT_TILES, Tables, Tiles, attention_backward
 from dflash.attention.mask import layer_masks, mask_name
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
@@ -36,7 +38,41 @@ def dflash_block_mask(
     window: int | None,
     causal_block: bool,
 ) -> BlockMask:
-    """The DFlash mask's BlockMask computed from the anchors, in closed form.
+    """The DFlash mask's BlockMask computed from the anchors, in closed form (block_mask_and_tables)."""
+    return block_mask_and_tables(
+        anchors_BA,
+        seq_lens_B,
+        context_len=context_len,
+        block_size=block_size,
+        window=window,
+        causal_block=causal_block,
+    )[0]
+
+
+def interval_mask_mod(
+    ctx_lo_BR: Tensor, ctx_hi_BR: Tensor, own_lo_R: Tensor, own_hi_R: Tensor, name: str
+) -> Any:
+    """The mask_mod of the per-row intervals: context [lo, hi) or own block [own_lo, own_hi)."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        in_context = (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
+        return in_context | ((kv_idx >= own_lo_R[q_idx]) & (kv_idx < own_hi_R[q_idx]))
+
+    mask_mod.__name__ = name
+    return mask_mod
+
+
+def block_mask_and_tables(
+    anchors_BA: Tensor,
+    seq_lens_B: Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    window: int | None,
+    causal_block: bool,
+) -> tuple[BlockMask, Tables]:
+    """The DFlash mask's BlockMask computed from the anchors, in closed form, and the tables the
+    hand-written backward (dflash.attention.flex_backward) reads: the same tile lists and intervals.
 
     create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
     grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
@@ -92,14 +128,32 @@ def dflash_block_mask(
     own_lo_R = torch.where(row_ok_R, own_lo_R, 0).to(torch.int32)
     own_hi_R = torch.where(row_ok_R, own_hi_R, 0).to(torch.int32)
 
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        in_context = (kv_idx >= ctx_lo_BR[b, q_idx]) & (kv_idx < ctx_hi_BR[b, q_idx])
-        return in_context | ((kv_idx >= own_lo_R[q_idx]) & (kv_idx < own_hi_R[q_idx]))
-
-    mask_mod.__name__ = mask_name(block_size, window, causal_block)
-    return BlockMask.from_kv_blocks(
+    mask_mod = interval_mask_mod(
+        ctx_lo_BR, ctx_hi_BR, own_lo_R, own_hi_R, mask_name(block_size, window, causal_block)
+    )
+    bm = BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
     )
+    tables = Tables(
+        *(
+            x.contiguous()
+            for x in (
+                bm.kv_num_blocks,
+                bm.kv_indices,
+                bm.full_kv_num_blocks,
+                bm.full_kv_indices,
+                bm.q_num_blocks,
+                bm.q_indices,
+                bm.full_q_num_blocks,
+                bm.full_q_indices,
+                ctx_lo_BR,
+                ctx_hi_BR,
+                own_lo_R,
+                own_hi_R,
+            )
+        )
+    )
+    return bm, tables
 
 
 BLOCK_MASK_SECONDS = [0.0]
@@ -116,6 +170,8 @@ class FlexPlan(NamedTuple):
     """"full" or "sliding"."""
     capability: tuple[int, int] | None
     """CUDA compute capability of the device, None off CUDA."""
+    tables: Tables
+    """The block mask's tile lists and row intervals, for the hand-written backward."""
 
 
 TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
@@ -155,6 +211,7 @@ class FlexBackend:
         compile: bool = True,
         tuned: bool = True,
         kernel_options: Mapping[str, Mapping[str, Any]] | None = None,
+        backward: str = "flex",
     ) -> None:
         # compile=False is the unfused fallback: it exists so the degraded-kernel guard can be
         # exercised and so a run can opt out knowingly; it is never chosen silently.
@@ -168,6 +225,13 @@ class FlexBackend:
             else None
         )
         """{kind: options} in place of TUNED_KERNEL_OPTIONS (bench/flex_tune.py tries candidates so)."""
+        if backward not in BACKWARDS:
+            raise ValueError(f"flex backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
+        self.backward = backward
+        if backward == "kernel":
+            allow_nested_flex_in_compiled_graphs()
+        """flex: flex's own backward kernel; kernel: dflash.attention.flex_backward's (the forward
+        is flex's either way)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
         """The options this layer's flex kernels compile with (None: inductor's defaults)."""
@@ -193,7 +257,7 @@ class FlexBackend:
         plans = {}
         t0 = time.perf_counter()
         for w, causal in layer_masks(windows, sliding_causal).items():
-            block_mask = dflash_block_mask(
+            block_mask, tables = block_mask_and_tables(
                 anchors_BA,
                 seq_lens_B,
                 context_len=context_len,
@@ -201,16 +265,170 @@ class FlexBackend:
                 window=w,
                 causal_block=causal,
             )
-            plans[w] = FlexPlan(block_mask, layer_kind(w), capability)
+            plans[w] = FlexPlan(block_mask, layer_kind(w), capability, tables)
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: FlexPlan) -> Tensor:
+        options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
+        if (
+            self.backward == "kernel"
+            and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (q_BHQD, k_BGLD, v_BGLD))
+        ):
+            fwd = {k: v for k, v in (options or {}).items() if not k.startswith("bwd_")}
+            tiles = kernel_tiles(options)
+            out, _ = flex_with_kernel_backward(
+                q_BHQD,
+                k_BGLD,
+                v_BGLD,
+                list(plan.tables),
+                plan.block_mask.mask_mod.__name__,
+                json.dumps(fwd, sort_keys=True),
+                self.compiled,
+                list(tiles),
+            )
+            return out
         return self._flex(
             q_BHQD,
             k_BGLD,
             v_BGLD,
             block_mask=plan.block_mask,
             enable_gqa=q_BHQD.shape[1] != k_BGLD.shape[1],
-            kernel_options=self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype),
+            kernel_options=options,
         )
+
+
+BACKWARDS = ("flex", "kernel")
+
+
+def allow_nested_flex_in_compiled_graphs() -> None:
+    """flex_with_kernel_backward's forward runs flex (compiled on its own) inside the compiled
+    layer's graph. AOTAutograd's first run of each graph checks its custom ops for aliasing under a
+    dispatch mode (torch._functorch.config.check_custom_op_aliasing, where torch has it), and flex
+    cannot run under that mode; the op's outputs are new tensors, so the check is turned off."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "check_custom_op_aliasing"):
+        functorch_config.check_custom_op_aliasing = False
+
+
+def kernel_tiles(options: Mapping[str, Any] | None) -> Tiles:
+    """The hand-written backward's tiles from a layer's flex options (its bwd_* tiles, stages and
+    warps: the same tile work as flex's backward), DEFAULT_TILES where they say nothing."""
+    o = options or {}
+    return Tiles(
+        BLOCK_M1=int(o.get("bwd_BLOCK_M1", DEFAULT_TILES.BLOCK_M1)),
+        BLOCK_N1=int(o.get("bwd_BLOCK_N1", DEFAULT_TILES.BLOCK_N1)),
+        BLOCK_M2=int(o.get("bwd_BLOCK_M2", DEFAULT_TILES.BLOCK_M2)),
+        BLOCK_N2=int(o.get("bwd_BLOCK_N2", DEFAULT_TILES.BLOCK_N2)),
+        num_warps=int(o.get("bwd_num_warps", DEFAULT_TILES.num_warps)),
+        num_stages=int(o.get("bwd_num_stages", DEFAULT_TILES.num_stages)),
+    )
+
+
+def _block_mask_of(q: Tensor, k: Tensor, tables: list[Tensor], name: str) -> BlockMask:
+    """The plan's BlockMask again from its tables (a custom op takes tensors, not a BlockMask)."""
+    t = Tables(*tables)
+    return BlockMask(
+        (q.shape[2], k.shape[2]),
+        t.kv_num,
+        t.kv_idx,
+        t.full_kv_num,
+        t.full_kv_idx,
+        t.q_num,
+        t.q_idx,
+        t.full_q_num,
+        t.full_q_idx,
+        BLOCK_SIZE=(SPARSE_BLOCK, SPARSE_BLOCK),
+        mask_mod=interval_mask_mod(t.ctx_lo, t.ctx_hi, t.own_lo, t.own_hi, name),
+    )
+
+
+@torch.library.custom_op("dflash::flex_with_kernel_backward", mutates_args=())
+def flex_with_kernel_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: list[Tensor],
+    mask_name: str,
+    fwd_options: str,
+    compiled: bool,
+    tiles: list[int],
+) -> tuple[Tensor, Tensor]:
+    """flex's forward (compiled with the layer's fwd_* options) returning (out, natural-log lse);
+    its backward is dflash.attention.flex_backward's kernel (registered below). One op, opaque to
+    the compiled layer around it: the forward compiles on its own, as flex_attention_compiled."""
+    flex = flex_attention_compiled if compiled else flex_attention
+    q, k, v = q.detach(), k.detach(), v.detach()  # the op's autograd is registered: flex traces no backward
+    out, aux = flex(
+        q,
+        k,
+        v,
+        block_mask=_block_mask_of(q, k, tables, mask_name),
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=json.loads(fwd_options) or None,
+        return_aux=AuxRequest(lse=True),
+    )
+    expected = torch.empty_like(q, dtype=v.dtype)
+    if out.stride() != expected.stride():
+        out = expected.copy_(out)
+    return out, aux.lse.contiguous()
+
+
+@flex_with_kernel_backward.register_fake
+def _(q, k, v, tables, mask_name, fwd_options, compiled, tiles):  # noqa: ANN001, ANN202
+    B, H, Q, _ = q.shape
+    return torch.empty_like(q, dtype=v.dtype), q.new_empty((B, H, Q), dtype=torch.float32)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, tables, _, _, _, tiles = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], *tables)
+    ctx.tiles = Tiles(*tiles)
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse, *tables = ctx.saved_tensors
+    dq, dk, dv = kernel_backward(grad_out, q, k, v, out, lse, tables, list(ctx.tiles))
+    return dq, dk, dv, [None] * len(tables), None, None, None, None
+
+
+@torch.library.custom_op("dflash::flex_kernel_backward", mutates_args=())
+def kernel_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    tables: list[Tensor],
+    tiles: list[int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) by dflash.attention.flex_backward (the log-sum-exp's own gradient is not taken:
+    flex_with_kernel_backward's callers never use the lse)."""
+    return attention_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        Tables(*tables),
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        sparse=SPARSE_BLOCK,
+        tiles=Tiles(*tiles),
+    )
+
+
+@kernel_backward.register_fake
+def _(grad_out, q, k, v, out, lse, tables, tiles):  # noqa: ANN001, ANN202
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    )
+
+
+flex_with_kernel_backward.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,181 @@
+"""The DFlash attention's backward: flex's own kernel against dflash.attention.flex_backward's, on the
+drafter step's shape, through the job's FlexBackend (its tuned forward either way).
+
+H200 (2 x 4096 context, 512 anchors x 16, 32/8 heads, head dim 128, bf16; full and sliding 2048):
+    python bench/attention_backward.py --out $OUT/attention_backward.json
+CPU smoke run (tiny, through Triton's interpreter; checks the mechanics, not the numbers):
+    TRITON_INTERPRET=1 python bench/attention_backward.py --tiny --out /tmp/attention_backward.json
+
+Per layer kind: flex forward, flex forward + backward (its backward = the difference), the same with
+backward="kernel" (the job's path: delta, schedule and kernel), then the kernel's backward alone for
+each tile candidate in both launch orders (longest first, the job's; flex's grid order, to show
+what the order alone is worth). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
+forward, 2.5x that backward (bench/attention.py's convention). Numerics: the kernel's dq, dk, dv
+against flex's (relative error of each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
+
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); the first is flex's tuned backward.
+CANDIDATES = [
+    (64, 128, 128, 64, 8, 2),
+    (64, 128, 128, 64, 8, 3),
+    (64, 128, 128, 64, 4, 2),
+    (32, 128, 128, 32, 4, 2),
+    (64, 128, 64, 64, 8, 2),
+    (64, 64, 64, 64, 4, 2),
+    (32, 64, 64, 32, 4, 3),
+    (128, 128, 128, 128, 8, 1),
+]
+
+
+def rel(a: Any, b: Any) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=default_out("attention_backward"))
+    ap.add_argument("--windows", default="full,2048")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--candidates", default="", help="comma list of CANDIDATES indices (default: all)")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from dflash.attention.flex import FlexBackend, kernel_tiles
+    from dflash.attention.flex_backward import Tiles, attention_backward
+    from dflash.attention.mask import allowed_pairs
+    from dflash.objective import sample_anchors
+
+    tiny = args.tiny
+    device = "cpu" if tiny else "cuda"
+    dtype = torch.float32 if tiny else torch.bfloat16
+    B, S, A, K, H, G, D = (1, 200, 40, 4, 4, 2, 16) if tiny else (2, 4096, 512, 16, 32, 8, 128)
+    windows = ["full", "13"] if tiny else args.windows.split(",")
+    reps = 1 if tiny else args.reps
+    cand = [CANDIDATES[int(i)] for i in args.candidates.split(",")] if args.candidates else CANDIDATES
+    if tiny:
+        cand = [(32, 64, 64, 32, 4, 1)]
+    gen = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(torch.ones(B, S, dtype=torch.bool), torch.full((B,), S), A, gen).to(device)
+    seq_lens = torch.full((B,), S, device=device)
+    q = torch.randn(B, H, A * K, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, G, S + A * K, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, G, S + A * K, D, generator=gen).to(device, dtype)
+    grad = torch.randn(q.shape, generator=gen).to(device, dtype)
+    report: dict[str, Any] = {**report_header("attention_backward", device == "cuda"), "layers": []}
+    for wname in windows:
+        window = None if wname == "full" else int(wname)
+        pairs = allowed_pairs(anchors.cpu(), seq_lens.cpu(), context_len=S, block_size=K, window=window)
+        fwd_flop = 4 * D * H * pairs
+        row: dict[str, Any] = {"window": wname, "fwd_tflop": fwd_flop / 1e12}
+        results = {}
+        for bwd in ("flex", "kernel"):
+            if tiny and bwd == "flex":
+                continue  # flex has no CPU backward
+            backend = FlexBackend(backward=bwd, compile=not tiny)
+            plan = backend.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[window])[window]
+            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+            def fwd(backend: Any = backend, plan: Any = plan) -> Any:
+                with torch.no_grad():
+                    return backend.attend(q, k, v, plan)
+
+            def fwd_bwd(
+                backend: Any = backend, plan: Any = plan, qq: Any = qq, kk: Any = kk, vv: Any = vv
+            ) -> None:
+                qq.grad = kk.grad = vv.grad = None
+                backend.attend(qq, kk, vv, plan).backward(grad)
+
+            fwd()
+            fwd_bwd()
+            f_ms, fb_ms = bench_ms(fwd, device, reps), bench_ms(fwd_bwd, device, reps)
+            fwd_bwd()
+            results[bwd] = (qq.grad.clone(), kk.grad.clone(), vv.grad.clone())
+            row[bwd] = {
+                "fwd_ms": f_ms,
+                "fwd_bwd_ms": fb_ms,
+                "bwd_ms": fb_ms - f_ms,
+                "fwd_bwd_tflops": 3.5 * fwd_flop / fb_ms / 1e9,
+                "bwd_tflops": 2.5 * fwd_flop / (fb_ms - f_ms) / 1e9 if fb_ms > f_ms else None,
+            }
+            print(
+                f"{wname} {bwd}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms ({row[bwd]['fwd_bwd_tflops']:.0f} "
+                f"TFLOP/s), bwd {fb_ms - f_ms:.3f} ms",
+                flush=True,
+            )
+            if bwd == "kernel":
+                kernel_plan, kernel_backend = plan, backend
+        if "flex" in results:
+            row["kernel_vs_flex_rel_err"] = {
+                n: rel(a, b)
+                for n, a, b in zip(("dq", "dk", "dv"), results["kernel"], results["flex"], strict=True)
+            }
+            print(f"{wname} kernel vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
+        # The kernel's backward alone: the forward's output and lse once, then each candidate.
+        from dflash.attention.flex import flex_with_kernel_backward
+
+        opts = kernel_backend.kernel_options(kernel_plan, D, dtype)
+        tiles0 = kernel_tiles(opts)
+        with torch.no_grad():
+            out, lse = flex_with_kernel_backward(
+                q, k, v, list(kernel_plan.tables), "m", "{}", not tiny, list(tiles0)
+            )
+        row["candidates"] = []
+        for c in cand:
+            tiles = Tiles(*c)
+            for order in ("longest_first", "grid") if c == cand[0] else ("longest_first",):
+
+                def bwd_only(
+                    tiles: Tiles = tiles,
+                    order: str = order,
+                    out: Any = out,
+                    lse: Any = lse,
+                    t: Any = kernel_plan.tables,
+                ) -> Any:
+                    return attention_backward(
+                        grad,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        t,
+                        scale=D**-0.5,
+                        sparse=128,
+                        tiles=tiles,
+                        order=order,
+                    )
+
+                entry: dict[str, Any] = {"tiles": tiles._asdict(), "order": order}
+                try:
+                    bwd_only()
+                    ms = bench_ms(bwd_only, device, reps)
+                    entry.update(bwd_ms=ms, bwd_tflops=2.5 * fwd_flop / ms / 1e9)
+                    print(
+                        f"{wname} kernel {c} {order}: bwd {ms:.3f} ms ({entry['bwd_tflops']:.0f} TFLOP/s)",
+                        flush=True,
+                    )
+                except Exception as e:  # a tile that does not fit (shared memory, registers)
+                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"{wname} kernel {c} {order}: {entry['error']}", flush=True)
+                row["candidates"].append(entry)
+        report["layers"].append(row)
+    report["interpreted"] = os.environ.get("TRITON_INTERPRET") == "1"
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

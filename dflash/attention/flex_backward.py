@@ -1,0 +1,377 @@
+"""The DFlash attention's backward as one hand-written Triton kernel, its programs run longest first.
+
+Why: flex's backward kernel (one launch: a dK/dV program per key tile, a dQ program per query tile
+and head) is launched on the grid (tiles, batch, kv head), and the GPU starts programs in grid
+order. On the DFlash mask the work per program is very uneven: a context key tile near position 0
+is seen by every block anchored after it (on the 8B step, 64 query tiles x 4 heads x 2 = 512
+iterations), a block's own key tile by one query tile (8 iterations). The last (batch, kv head)'s
+longest programs then start when most of the launch is done and run alone at its end: a list
+schedule of the 8B step's full layer in grid order finishes 16% after the ideal, 10% on the sliding
+layers (one program per SM), where longest-first (LPT) finishes within 0.2%.
+
+This kernel does the same work as flex's (the same block-sparse tiles from the plan's BlockMask,
+the same arithmetic per tile: scores in float32, p = exp2(s * log2 e - lse2), ds = p * (dp - delta),
+p and ds rounded to the inputs' dtype for their products) but reads its programs from a schedule:
+every program's (kind, batch, head, tile), ordered by the tiles it will visit, most first. The
+forward stays flex's; its log-sum-exp (natural log, as flex returns it) is the one input the
+backward needs from it besides the output.
+
+Masking: a tile listed as full is computed unmasked; a partial one through the per-row intervals
+of dflash.attention.flex.dflash_block_mask (context [lo, hi) and own block [own_lo, own_hi)), the
+pairs that mask allows, no others.
+
+On the CPU the job never calls this; the tests run it through Triton's interpreter
+(dflash.triton_jit) against float64 autograd of the dense-mask reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from dflash.triton_jit import jit_per_mode
+
+
+class Tiles(NamedTuple):
+    """The kernel's tiles: dK/dV programs hold BLOCK_N1 keys and step over BLOCK_M1 query rows;
+    dQ programs hold BLOCK_M2 rows and step over BLOCK_N2 keys. Each divides the sparse block."""
+
+    BLOCK_M1: int = 64
+    BLOCK_N1: int = 128
+    BLOCK_M2: int = 128
+    BLOCK_N2: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DEFAULT_TILES = Tiles()
+"""flex's tuned backward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
+
+DKV_COST, DQ_COST, PROGRAM_COST = 4, 3, 4
+"""Schedule weights: a dK/dV step makes four products of its tile, a dQ step three; a program's
+fixed cost (loading its resident tiles, storing its result) counted as this many products."""
+
+
+class Tables(NamedTuple):
+    """What the kernel reads of a plan: the BlockMask's tile lists ([B, 1, ...] int32) and the
+    mask's per-row intervals ([B, rows] for the context, [rows] for the own block; rows padded to
+    whole sparse blocks)."""
+
+    kv_num: Tensor
+    kv_idx: Tensor
+    full_kv_num: Tensor
+    full_kv_idx: Tensor
+    q_num: Tensor
+    q_idx: Tensor
+    full_q_num: Tensor
+    full_q_idx: Tensor
+    ctx_lo: Tensor
+    ctx_hi: Tensor
+    own_lo: Tensor
+    own_hi: Tensor
+
+
+@jit_per_mode
+def _kernels() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def delta_rows(
+        OUT, DO, DELTA, Q_LEN, HQ, so_z, so_h, so_m, sdo_z, sdo_h, sdo_m, D: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """delta = rowsum(o * do) in float32, [B*HQ, Q_LEN]."""
+        zh = tl.program_id(1)
+        z, h = zh // HQ, zh % HQ
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, D)
+        ok = rows < Q_LEN
+        o = tl.load(
+            OUT + z * so_z + h * so_h + rows[:, None] * so_m + cols[None, :], mask=ok[:, None], other=0.0
+        )
+        do = tl.load(
+            DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_m + cols[None, :], mask=ok[:, None], other=0.0
+        )
+        tl.store(
+            DELTA + zh.to(tl.int64) * Q_LEN + rows,
+            tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
+            mask=ok,
+        )
+
+    @triton.jit
+    def backward(
+        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED,
+        KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
+        CTX_LO, CTX_HI, OWN_LO, OWN_HI,
+        sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
+        s_kvnum_z, s_kvidx_z, s_kvidx_m, s_qnum_z, s_qidx_z, s_qidx_n, s_ctx_z,
+        HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE,
+        D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
+        BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    ):  # fmt: skip
+        RCP_LN2: tl.constexpr = 1.44269504
+        MULT1: tl.constexpr = SPARSE // BLOCK_M1
+        MULT2: tl.constexpr = SPARSE // BLOCK_N2
+        e = tl.load(SCHED + tl.program_id(0))
+        offs_d = tl.arange(0, D)
+        if e < NUM_DKV:
+            # dK, dV of BLOCK_N1 keys of kv head g, over every query head of its group; per head the
+            # partial sparse blocks (masked), then the full ones.
+            z = e // (HKV * N1_TILES)
+            g = (e // N1_TILES) % HKV
+            start_n = (e % N1_TILES) * BLOCK_N1
+            offs_n = start_n + tl.arange(0, BLOCK_N1)
+            n_ok = offs_n < KV_LEN
+            k_ptrs = (
+                K + z.to(tl.int64) * sk_z + g.to(tl.int64) * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
+            )
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+            v_ptrs = (
+                V + z.to(tl.int64) * sv_z + g.to(tl.int64) * sv_h + offs_n[:, None] * sv_n + offs_d[None, :]
+            )
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+            dk = tl.zeros([BLOCK_N1, D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N1, D], dtype=tl.float32)
+            nb = start_n // SPARSE
+            for hh in range(0, GQA):
+                h = g * GQA + hh
+                q_ptr = Q + z.to(tl.int64) * sq_z + h.to(tl.int64) * sq_h
+                do_ptr = DO + z.to(tl.int64) * sdo_z + h.to(tl.int64) * sdo_h
+                row0 = (z * HQ + h).to(tl.int64) * Q_LEN
+                for part in tl.static_range(2):
+                    if part == 0:
+                        num = tl.load(Q_NUM + z * s_qnum_z + nb)
+                        idx_ptr = Q_IDX + z * s_qidx_z + nb * s_qidx_n
+                    else:
+                        num = tl.load(FULL_Q_NUM + z * s_qnum_z + nb)
+                        idx_ptr = FULL_Q_IDX + z * s_qidx_z + nb * s_qidx_n
+                    for it in range(0, num * MULT1):
+                        blk = tl.load(idx_ptr + it // MULT1)
+                        offs_m = blk * SPARSE + (it % MULT1) * BLOCK_M1 + tl.arange(0, BLOCK_M1)
+                        m_ok = offs_m < Q_LEN
+                        qT = tl.load(
+                            q_ptr + offs_m[None, :] * sq_m + offs_d[:, None], mask=m_ok[None, :], other=0.0
+                        )
+                        do = tl.load(
+                            do_ptr + offs_m[:, None] * sdo_m + offs_d[None, :], mask=m_ok[:, None], other=0.0
+                        )
+                        lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
+                        lse2 = tl.where(lse == -float("inf"), 0.0, lse * RCP_LN2)
+                        di = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
+                        s = tl.dot(k, qT) * SM_SCALE
+                        if part == 0:
+                            lo = tl.load(CTX_LO + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+                            hi = tl.load(CTX_HI + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+                            olo = tl.load(OWN_LO + offs_m, mask=m_ok, other=0)
+                            ohi = tl.load(OWN_HI + offs_m, mask=m_ok, other=0)
+                            keys = offs_n[:, None]
+                            ok = ((keys >= lo[None, :]) & (keys < hi[None, :])) | (
+                                (keys >= olo[None, :]) & (keys < ohi[None, :])
+                            )
+                            s = tl.where(ok, s, -float("inf"))
+                        pT = tl.math.exp2(s * RCP_LN2 - lse2[None, :])
+                        dv += tl.dot(pT.to(do.dtype), do)
+                        dpT = tl.dot(v, tl.trans(do))
+                        dsT = pT * (dpT - di[None, :])
+                        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+            out = (z * HKV + g).to(tl.int64) * KV_LEN * D + offs_n[:, None] * D + offs_d[None, :]
+            tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+            tl.store(DK + out, (dk * SM_SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
+        else:
+            # dQ of BLOCK_M2 rows of query head h: the partial sparse blocks (masked), then the full.
+            e2 = e - NUM_DKV
+            z = e2 // (HQ * M2_TILES)
+            h = (e2 // M2_TILES) % HQ
+            start_m = (e2 % M2_TILES) * BLOCK_M2
+            offs_m = start_m + tl.arange(0, BLOCK_M2)
+            m_ok = offs_m < Q_LEN
+            q_ptrs = (
+                Q + z.to(tl.int64) * sq_z + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_m + offs_d[None, :]
+            )
+            q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+            do_ptrs = (
+                DO
+                + z.to(tl.int64) * sdo_z
+                + h.to(tl.int64) * sdo_h
+                + offs_m[:, None] * sdo_m
+                + offs_d[None, :]
+            )
+            do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+            row0 = (z * HQ + h).to(tl.int64) * Q_LEN
+            lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
+            lse2 = tl.where(lse == -float("inf"), 0.0, lse * RCP_LN2)
+            di = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
+            lo = tl.load(CTX_LO + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+            hi = tl.load(CTX_HI + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+            olo = tl.load(OWN_LO + offs_m, mask=m_ok, other=0)
+            ohi = tl.load(OWN_HI + offs_m, mask=m_ok, other=0)
+            g = h // GQA
+            k_ptr = K + z.to(tl.int64) * sk_z + g.to(tl.int64) * sk_h
+            v_ptr = V + z.to(tl.int64) * sv_z + g.to(tl.int64) * sv_h
+            mb = start_m // SPARSE
+            dq = tl.zeros([BLOCK_M2, D], dtype=tl.float32)
+            for part in tl.static_range(2):
+                if part == 0:
+                    num = tl.load(KV_NUM + z * s_kvnum_z + mb)
+                    idx_ptr = KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
+                else:
+                    num = tl.load(FULL_KV_NUM + z * s_kvnum_z + mb)
+                    idx_ptr = FULL_KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
+                for it in range(0, num * MULT2):
+                    blk = tl.load(idx_ptr + it // MULT2)
+                    offs_n = blk * SPARSE + (it % MULT2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                    n_ok = offs_n < KV_LEN
+                    kT = tl.load(
+                        k_ptr + offs_n[None, :] * sk_n + offs_d[:, None], mask=n_ok[None, :], other=0.0
+                    )
+                    vT = tl.load(
+                        v_ptr + offs_n[None, :] * sv_n + offs_d[:, None], mask=n_ok[None, :], other=0.0
+                    )
+                    s = tl.dot(q, kT) * SM_SCALE
+                    if part == 0:
+                        keys = offs_n[None, :]
+                        ok = ((keys >= lo[:, None]) & (keys < hi[:, None])) | (
+                            (keys >= olo[:, None]) & (keys < ohi[:, None])
+                        )
+                        s = tl.where(ok, s, -float("inf"))
+                    p = tl.math.exp2(s * RCP_LN2 - lse2[:, None])
+                    dp = tl.dot(do, vT)
+                    ds = p * (dp - di[:, None])
+                    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+            out = (z * HQ + h).to(tl.int64) * Q_LEN * D + offs_m[:, None] * D + offs_d[None, :]
+            tl.store(DQ + out, (dq * SM_SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+    return delta_rows, backward
+
+
+ORDERS = ("longest_first", "grid")
+
+
+def schedule(
+    tables: Tables,
+    heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    sparse: int,
+    tiles: Tiles,
+    order: str = "longest_first",
+) -> Tensor:
+    """The programs of one backward launch, most work first: int32 entries, dK/dV programs numbered
+    (batch, kv head, key tile) from 0, then dQ programs (batch, head, query tile) from their count.
+    Work = the tile steps each will make (from the plan's tile lists) weighted by their products,
+    plus a fixed cost per program. Ties keep that numbering (a stable sort).
+    order="grid": flex's launch order instead (per kv head, per batch: its dK/dV programs, then the
+    dQ programs of its query heads), for benchmarks that measure what the order alone is worth."""
+    B = tables.kv_num.shape[0]
+    gqa = heads // kv_heads
+    n1 = -(-kv_len // tiles.BLOCK_N1)
+    m2 = -(-q_len // tiles.BLOCK_M2)
+    dev = tables.kv_num.device
+    q_steps_BN = (tables.q_num + tables.full_q_num)[:, 0, :].to(torch.int64)  # [B, key sparse blocks]
+    dkv_BN = q_steps_BN[:, torch.arange(n1, device=dev) * tiles.BLOCK_N1 // sparse]
+    dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * DKV_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1)
+    dkv = (dkv_BN[:, None, :] + PROGRAM_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1).expand(B, kv_heads, n1)
+    kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
+    dq_BM = kv_steps_BM[:, torch.arange(m2, device=dev) * tiles.BLOCK_M2 // sparse]
+    dq_BM = dq_BM * ((sparse // tiles.BLOCK_N2) * DQ_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2)
+    dq = (dq_BM[:, None, :] + PROGRAM_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2).expand(B, heads, m2)
+    if order == "grid":
+        gqa_heads = torch.arange(heads, device=dev).view(kv_heads, gqa)
+        dkv_ids = torch.arange(B * kv_heads * n1, device=dev).view(B, kv_heads, n1).transpose(0, 1)
+        dq_ids = B * kv_heads * n1 + torch.arange(B * heads * m2, device=dev).view(B, heads, m2)
+        dq_ids = dq_ids[:, gqa_heads].reshape(B, kv_heads, gqa * m2).transpose(0, 1)
+        return torch.cat([dkv_ids, dq_ids], dim=2).reshape(-1).to(torch.int32)
+    if order != "longest_first":
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    work = torch.cat([dkv.reshape(-1), dq.reshape(-1)])
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    tables: Tables,
+    *,
+    scale: float,
+    sparse: int,
+    tiles: Tiles = DEFAULT_TILES,
+    order: str = "longest_first",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of softmax(q k^T * scale, masked by the plan) v, given the forward's output and
+    its natural-log log-sum-exp [B, heads, q_len]. q/grad_out/out: [B, heads, q_len, D]; k, v:
+    [B, kv_heads, kv_len, D]; any strides with unit stride along D."""
+    delta_rows, backward = _kernels()
+    B, HQ, QL, D = q.shape
+    HKV, KL = k.shape[1], k.shape[2]
+    q, k, v, grad_out, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad_out, out))
+    lse = lse.contiguous()
+    delta = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
+    delta_rows[(-(-QL // 64), B * HQ)](
+        out, grad_out, delta, QL, HQ, *out.stride()[:3], *grad_out.stride()[:3], D=D, BLOCK=64
+    )
+    dq = torch.empty(B, HQ, QL, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, HKV, KL, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, HKV, KL, D, dtype=v.dtype, device=v.device)
+    sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
+    n1, m2 = -(-KL // tiles.BLOCK_N1), -(-QL // tiles.BLOCK_M2)
+    t = tables
+    backward[(sched.numel(),)](
+        q,
+        k,
+        v,
+        grad_out,
+        dq,
+        dk,
+        dv,
+        lse,
+        delta,
+        sched,
+        t.kv_num,
+        t.kv_idx,
+        t.full_kv_num,
+        t.full_kv_idx,
+        t.q_num,
+        t.q_idx,
+        t.full_q_num,
+        t.full_q_idx,
+        t.ctx_lo,
+        t.ctx_hi,
+        t.own_lo,
+        t.own_hi,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *grad_out.stride()[:3],
+        t.kv_num.stride(0),
+        t.kv_idx.stride(0),
+        t.kv_idx.stride(2),
+        t.q_num.stride(0),
+        t.q_idx.stride(0),
+        t.q_idx.stride(2),
+        t.ctx_lo.stride(0),
+        HQ,
+        HKV,
+        QL,
+        KL,
+        n1,
+        m2,
+        B * HKV * n1,
+        scale,
+        D=D,
+        GQA=HQ // HKV,
+        SPARSE=sparse,
+        BLOCK_M1=tiles.BLOCK_M1,
+        BLOCK_N1=tiles.BLOCK_N1,
+        BLOCK_M2=tiles.BLOCK_M2,
+        BLOCK_N2=tiles.BLOCK_N2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return dq, dk, dv

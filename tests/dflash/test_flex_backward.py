@@ -1,0 +1,175 @@
+"""The hand-written DFlash attention backward (dflash.attention.flex_backward): on the CPU through
+Triton's interpreter against float64 autograd of the dense-mask attention, alone and as the flex
+backend's backward (eager and inside a compiled region, as the trainer's layers call it); on the GPU
+against flex's own backward at the 8B head sizes.
+
+The check_* functions run in a process of their own with the interpreter on
+(tests/interpreter_helpers.py says why)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from interpreter_helpers import main, run_interpreted
+
+from dflash.attention.flex import FlexBackend, block_mask_and_tables
+from dflash.attention.flex_backward import DEFAULT_TILES, Tiles, attention_backward, schedule
+from dflash.attention.mask import dense_mask
+
+S, K, H, G, D = 600, 4, 4, 2, 16
+A = 90  # 360 query rows: two whole sparse blocks of 128 and a part of one; 960 keys: eight blocks
+
+
+def test_backward_through_the_interpreter():
+    """Every check_* below, in a fresh process with the interpreter on."""
+    run_interpreted(__file__, CHECKS)
+
+
+def anchors_and_lens(seed: int = 0, context: int = S, num: int = A) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch 0 full length; batch 1 shorter, its last 5 blocks padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    a0 = torch.sort(torch.randperm(context - 1, generator=g)[:num] + 1).values
+    short = context - 50
+    a1 = torch.cat([torch.sort(torch.randperm(short - 1, generator=g)[: num - 5] + 1).values, torch.full((5,), -1)])
+    return torch.stack([a0, a1]), torch.tensor([context, short])
+
+
+def reference(q, k, v, mask_BQL, grad_out):  # noqa: ANN001, ANN201
+    """float64 out, natural-log lse and (dq, dk, dv) of the dense-mask attention."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask_BQL[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v.repeat_interleave(rep, 1)
+    out.backward(grad_out.double())
+    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
+
+
+def inputs(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", heads=H, kv_heads=G, dim=D):  # noqa: ANN001, ANN201
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, A * K, dim, generator=g)
+    k = torch.randn(2, kv_heads, S + A * K, dim, generator=g)
+    v = torch.randn(2, kv_heads, S + A * K, dim, generator=g)
+    grad_out = torch.randn(q.shape, generator=g)
+    return (t.to(device, dtype) for t in (q, k, v, grad_out))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles) -> None:
+    """dq, dk, dv from the float64 forward's output and lse, against float64 autograd; on the full
+    layer both tile lists (full and partial sparse blocks) are visited."""
+    anchors, lens = anchors_and_lens()
+    q, k, v, grad_out = inputs()
+    kw = dict(context_len=S, block_size=K, window=window, causal_block=causal)
+    _, tables = block_mask_and_tables(anchors, lens, **kw)
+    assert int(tables.kv_num.sum()) > 0 and (window is not None or int(tables.full_kv_num.sum()) > 0)
+    out, lse, ref = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
+    # A strided grad_out (as the o_proj's backward gives it: [B, Q, H, D] memory seen as [B, H, Q, D]).
+    grad_strided = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    got = attention_backward(
+        grad_strided, q, k, v, out.float(), lse.float(), tables, scale=D**-0.5, sparse=128, tiles=tiles
+    )
+    for name, r, x in zip(("dq", "dk", "dv"), ref, got, strict=True):
+        assert x.shape == r.shape and x.dtype == torch.float32, name
+        assert rel(x, r) < 2e-6, f"{name} {window} {causal} {tiles}: relative error {rel(x, r):.2e}"
+
+
+def check_schedule_is_every_program_once_longest_first() -> None:
+    anchors, lens = anchors_and_lens()
+    _, tables = block_mask_and_tables(anchors, lens, context_len=S, block_size=K, window=None, causal_block=False)
+    tiles = Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32)
+    sched = schedule(tables, H, G, A * K, S + A * K, 128, tiles)
+    n_dkv = 2 * G * math.ceil((S + A * K) / 64)
+    n_dq = 2 * H * math.ceil(A * K / 64)
+    assert sorted(sched.tolist()) == list(range(n_dkv + n_dq))
+    # Work per program, recomputed here from the tables: steps over the other side's tiles.
+    q_steps = (tables.q_num + tables.full_q_num)[:, 0].tolist()
+    kv_steps = (tables.kv_num + tables.full_kv_num)[:, 0].tolist()
+    n1, m2 = n_dkv // (2 * G), n_dq // (2 * H)
+
+    def work(e: int) -> int:
+        if e < n_dkv:
+            b, n = e // (G * n1), e % n1
+            return (H // G) * q_steps[b][n * 64 // 128] * (128 // 32) * 4 * 64 * 32 + 4 * 64 * 32
+        e -= n_dkv
+        b, m = e // (H * m2), e % m2
+        return kv_steps[b][m * 64 // 128] * (128 // 32) * 3 * 64 * 32 + 4 * 64 * 32
+
+    works = [work(e) for e in sched.tolist()]
+    assert works == sorted(works, reverse=True) and works[0] > works[-1]
+
+
+def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
+    """FlexBackend(backward="kernel"): flex's forward, the kernel's backward, against float64
+    autograd: eagerly, and inside a compiled region as the trainer's layers call it (flex itself
+    uncompiled here: compiled on the CPU it cannot return the log-sum-exp; the GPU test compiles it)."""
+    anchors, lens = anchors_and_lens(seed=1)
+    q, k, v, grad_out = inputs(seed=1)
+    backend = FlexBackend(compile=False, backward="kernel")  # flex compiled on the CPU returns no lse
+    plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[200], sliding_causal=True)[200]
+    mask = dense_mask(anchors, lens, context_len=S, block_size=K, window=200, causal_block=True)
+    ref_out, _, ref = reference(q * 2, k, v, mask, grad_out)
+
+    def layer(q, k, v):  # noqa: ANN001, ANN202
+        return backend.attend(q * 2, k, v, plan)
+
+    fn = torch.compile(layer, backend="inductor", dynamic=False) if compiled_region else layer
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = fn(qq, kk, vv)
+    out.backward(grad_out)
+    assert rel(out, ref_out) < 2e-6
+    for name, r, x in zip(("dq", "dk", "dv"), (2 * ref[0], ref[1], ref[2]), (qq.grad, kk.grad, vv.grad), strict=True):
+        assert x is not None and rel(x, r) < 2e-6, f"{name}: relative error {rel(x, r):.2e}"
+
+
+CHECKS = {
+    "full layer": lambda: check_kernel_matches_float64(None, False, DEFAULT_TILES),
+    "sliding layer": lambda: check_kernel_matches_float64(200, False, DEFAULT_TILES),
+    "sliding causal, small tiles": lambda: check_kernel_matches_float64(
+        200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32)
+    ),
+    "full, tall dq tiles": lambda: check_kernel_matches_float64(
+        None, False, Tiles(BLOCK_M1=16, BLOCK_N1=128, BLOCK_M2=32, BLOCK_N2=128)
+    ),
+    "schedule": check_schedule_is_every_program_once_longest_first,
+    "backend, eager": lambda: check_backend_backward_is_the_kernel(False),
+    "backend, compiled region": lambda: check_backend_backward_is_the_kernel(True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 2048])
+def test_kernel_backward_matches_flex_backward_on_gpu(window):
+    """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
+    with 512 anchors: the kernel's dq, dk, dv against flex's own backward, both from the same
+    compiled flex forward, and both against float32 math of the dense mask on a slice."""
+    torch.manual_seed(0)
+    ctx, block, num = 4096, 16, 512
+    anchors = torch.stack([torch.sort(torch.randperm(ctx - 1)[:num] + 1).values for _ in range(2)])
+    lens = torch.tensor([ctx, ctx])
+    anchors[1, -7:] = -1
+    q = torch.randn(2, 32, num * block, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, ctx + num * block, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    grad_out = torch.randn_like(q)
+    grads = []
+    for bwd in ("flex", "kernel"):
+        backend = FlexBackend(backward=bwd)
+        plan = backend.prepare(anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window])
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = backend.attend(qq, kk, vv, plan[window])
+        out.backward(grad_out)
+        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for name, f, kern in zip(("out", "dq", "dk", "dv"), *grads, strict=True):
+        assert rel(kern, f) < 5e-3, f"{name}: kernel vs flex relative error {rel(kern, f):.2e}"
+    assert torch.equal(grads[0][0], grads[1][0]), "the forward is flex's in both"
+
+
+if __name__ == "__main__":
+    main(CHECKS)
