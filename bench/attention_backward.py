@@ -49,6 +49,11 @@ def main() -> None:
     ap.add_argument("--windows", default="full,2048")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--candidates", default="", help="comma list of CANDIDATES indices (default: all)")
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages;...' (the first is also timed in grid order)",
+    )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
 
@@ -66,6 +71,8 @@ def main() -> None:
     windows = ["full", "13"] if tiny else args.windows.split(",")
     reps = 1 if tiny else args.reps
     cand = [CANDIDATES[int(i)] for i in args.candidates.split(",")] if args.candidates else CANDIDATES
+    if args.tiles:
+        cand = [tuple(int(x) for x in c.split(",")) for c in args.tiles.split(";")]
     if tiny:
         cand = [(32, 64, 64, 32, 4, 1)]
     gen = torch.Generator().manual_seed(0)

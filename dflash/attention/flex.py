@@ -170,8 +170,9 @@ class FlexPlan(NamedTuple):
     """"full" or "sliding"."""
     capability: tuple[int, int] | None
     """CUDA compute capability of the device, None off CUDA."""
-    tables: Tables
-    """The block mask's tile lists and row intervals, for the hand-written backward."""
+    tables: Tables | None = None
+    """The block mask's tile lists and row intervals, for the hand-written backward (prepare sets
+    them)."""
 
 
 TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
@@ -273,6 +274,7 @@ class FlexBackend:
         options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
         if (
             self.backward == "kernel"
+            and plan.tables is not None
             and torch.is_grad_enabled()
             and any(t.requires_grad for t in (q_BHQD, k_BGLD, v_BGLD))
         ):

@@ -92,3 +92,20 @@ def test_bf16_weights_resolves_on_for_a_single_gpu_drafter_only(repo):
     with pytest.raises(ConfigError) as e:
         resolve_bf16_weights(forced, cpu)
     assert e.value.key == "train.bf16_weights"
+
+
+def test_flex_backward_resolves_to_the_kernel_on_a_gpu_only(repo):
+    """auto: the hand-written backward where kernels run (a GPU), flex's elsewhere; a value that is
+    neither is refused with its key named."""
+    import torch
+
+    from dflash.resolve import resolve_flex_backward
+
+    cfg = load_config(repo / "configs" / "qwen3-8b.toml")
+    assert resolve_flex_backward(cfg, torch.device("cuda")) == "kernel"
+    assert resolve_flex_backward(cfg, torch.device("cpu")) == "flex"
+    forced = load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_backward=flex"])
+    assert resolve_flex_backward(forced, torch.device("cuda")) == "flex"
+    with pytest.raises(ConfigError) as e:
+        load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_backward=triton"])
+    assert e.value.key == "attention.flex_backward" and "flex, kernel or auto" in str(e.value)
