@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from dflash.attention.flex_backward import DEFAULT_TILES, Tables, Tiles, attention_backward
+from dflash.attention.flex_backward import DEFAULT_TILES, Tables, Tiles, attention_backward, grad_like
 from dflash.attention.mask import layer_masks, mask_name
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
@@ -426,11 +426,7 @@ def kernel_backward(
 
 @kernel_backward.register_fake
 def _(grad_out, q, k, v, out, lse, tables, tiles):  # noqa: ANN001, ANN202
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-    )
+    return grad_like(q), grad_like(k), grad_like(v)
 
 
 flex_with_kernel_backward.register_autograd(_backward, setup_context=_setup)

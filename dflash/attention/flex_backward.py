@@ -106,6 +106,7 @@ def _kernels() -> Any:
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
         CTX_LO, CTX_HI, OWN_LO, OWN_HI,
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
+        sdq_z, sdq_h, sdq_m, sdk_z, sdk_h, sdk_n, sdv_z, sdv_h, sdv_n,
         s_kvnum_z, s_kvidx_z, s_kvidx_m, s_qnum_z, s_qidx_z, s_qidx_n, s_ctx_z,
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
@@ -176,9 +177,22 @@ def _kernels() -> Any:
                         dpT = tl.dot(v, tl.trans(do))
                         dsT = pT * (dpT - di[None, :])
                         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
-            out = (z * HKV + g).to(tl.int64) * KV_LEN * D + offs_n[:, None] * D + offs_d[None, :]
-            tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
-            tl.store(DK + out, (dk * SM_SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
+            dv_ptrs = (
+                DV
+                + z.to(tl.int64) * sdv_z
+                + g.to(tl.int64) * sdv_h
+                + offs_n[:, None] * sdv_n
+                + offs_d[None, :]
+            )
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+            dk_ptrs = (
+                DK
+                + z.to(tl.int64) * sdk_z
+                + g.to(tl.int64) * sdk_h
+                + offs_n[:, None] * sdk_n
+                + offs_d[None, :]
+            )
+            tl.store(dk_ptrs, (dk * SM_SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
         else:
             # dQ of BLOCK_M2 rows of query head h: the partial sparse blocks (masked), then the full.
             e2 = e - NUM_DKV
@@ -240,8 +254,14 @@ def _kernels() -> Any:
                     dp = tl.dot(do, vT)
                     ds = p * (dp - di[:, None])
                     dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-            out = (z * HQ + h).to(tl.int64) * Q_LEN * D + offs_m[:, None] * D + offs_d[None, :]
-            tl.store(DQ + out, (dq * SM_SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+            dq_ptrs = (
+                DQ
+                + z.to(tl.int64) * sdq_z
+                + h.to(tl.int64) * sdq_h
+                + offs_m[:, None] * sdq_m
+                + offs_d[None, :]
+            )
+            tl.store(dq_ptrs, (dq * SM_SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
     return dflash_attention_delta, dflash_attention_backward
 
@@ -290,6 +310,13 @@ def schedule(
     return torch.argsort(work, descending=True, stable=True).to(torch.int32)
 
 
+def grad_like(x: Tensor) -> Tensor:
+    """An uninitialised gradient for x in x's layout (dimension order by stride, unit stride along
+    D: what the kernel stores through)."""
+    g = torch.empty_like(x, memory_format=torch.preserve_format)
+    return g if g.stride(-1) == 1 else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -316,9 +343,9 @@ def attention_backward(
     delta_rows[(-(-QL // 64), B * HQ)](
         out, grad_out, delta, QL, HQ, *out.stride()[:3], *grad_out.stride()[:3], D=D, BLOCK=64
     )
-    dq = torch.empty(B, HQ, QL, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty(B, HKV, KL, D, dtype=k.dtype, device=k.device)
-    dv = torch.empty(B, HKV, KL, D, dtype=v.dtype, device=v.device)
+    # Each gradient in its input's layout (as flex's backward writes them): the layer's backward
+    # then reads them without a transposing copy.
+    dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
     sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
     n1, m2 = -(-KL // tiles.BLOCK_N1), -(-QL // tiles.BLOCK_M2)
     t = tables
@@ -349,6 +376,9 @@ def attention_backward(
         *k.stride()[:3],
         *v.stride()[:3],
         *grad_out.stride()[:3],
+        *dq.stride()[:3],
+        *dk.stride()[:3],
+        *dv.stride()[:3],
         t.kv_num.stride(0),
         t.kv_idx.stride(0),
         t.kv_idx.stride(2),

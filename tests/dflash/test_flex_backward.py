@@ -32,7 +32,9 @@ def anchors_and_lens(seed: int = 0, context: int = S, num: int = A) -> tuple[tor
     g = torch.Generator().manual_seed(seed)
     a0 = torch.sort(torch.randperm(context - 1, generator=g)[:num] + 1).values
     short = context - 50
-    a1 = torch.cat([torch.sort(torch.randperm(short - 1, generator=g)[: num - 5] + 1).values, torch.full((5,), -1)])
+    a1 = torch.cat(
+        [torch.sort(torch.randperm(short - 1, generator=g)[: num - 5] + 1).values, torch.full((5,), -1)]
+    )
     return torch.stack([a0, a1]), torch.tensor([context, short])
 
 
@@ -48,7 +50,9 @@ def reference(q, k, v, mask_BQL, grad_out):  # noqa: ANN001, ANN201
     return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
 
 
-def inputs(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", heads=H, kv_heads=G, dim=D):  # noqa: ANN001, ANN201
+def inputs(
+    seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", heads=H, kv_heads=G, dim=D
+):  # noqa: ANN001, ANN201
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, heads, A * K, dim, generator=g)
     k = torch.randn(2, kv_heads, S + A * K, dim, generator=g)
@@ -72,9 +76,21 @@ def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles)
     out, lse, ref = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
     # A strided grad_out (as the o_proj's backward gives it: [B, Q, H, D] memory seen as [B, H, Q, D]).
     grad_strided = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    # q in the layer's layout too ([B, Q, H, D] memory): its gradient comes back in that layout.
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     got = attention_backward(
-        grad_strided, q, k, v, out.float(), lse.float(), tables, scale=D**-0.5, sparse=128, tiles=tiles
+        grad_strided,
+        q_strided,
+        k,
+        v,
+        out.float(),
+        lse.float(),
+        tables,
+        scale=D**-0.5,
+        sparse=128,
+        tiles=tiles,
     )
+    assert got[0].stride() == q_strided.stride() and got[1].stride() == k.stride()
     for name, r, x in zip(("dq", "dk", "dv"), ref, got, strict=True):
         assert x.shape == r.shape and x.dtype == torch.float32, name
         assert rel(x, r) < 2e-6, f"{name} {window} {causal} {tiles}: relative error {rel(x, r):.2e}"
@@ -82,7 +98,9 @@ def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles)
 
 def check_schedule_is_every_program_once_longest_first() -> None:
     anchors, lens = anchors_and_lens()
-    _, tables = block_mask_and_tables(anchors, lens, context_len=S, block_size=K, window=None, causal_block=False)
+    _, tables = block_mask_and_tables(
+        anchors, lens, context_len=S, block_size=K, window=None, causal_block=False
+    )
     tiles = Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32)
     sched = schedule(tables, H, G, A * K, S + A * K, 128, tiles)
     n_dkv = 2 * G * math.ceil((S + A * K) / 64)
@@ -112,7 +130,9 @@ def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
     anchors, lens = anchors_and_lens(seed=1)
     q, k, v, grad_out = inputs(seed=1)
     backend = FlexBackend(compile=False, backward="kernel")  # flex compiled on the CPU returns no lse
-    plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[200], sliding_causal=True)[200]
+    plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[200], sliding_causal=True)[
+        200
+    ]
     mask = dense_mask(anchors, lens, context_len=S, block_size=K, window=200, causal_block=True)
     ref_out, _, ref = reference(q * 2, k, v, mask, grad_out)
 
@@ -124,7 +144,9 @@ def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
     out = fn(qq, kk, vv)
     out.backward(grad_out)
     assert rel(out, ref_out) < 2e-6
-    for name, r, x in zip(("dq", "dk", "dv"), (2 * ref[0], ref[1], ref[2]), (qq.grad, kk.grad, vv.grad), strict=True):
+    for name, r, x in zip(
+        ("dq", "dk", "dv"), (2 * ref[0], ref[1], ref[2]), (qq.grad, kk.grad, vv.grad), strict=True
+    ):
         assert x is not None and rel(x, r) < 2e-6, f"{name}: relative error {rel(x, r):.2e}"
 
 
@@ -161,7 +183,9 @@ def test_kernel_backward_matches_flex_backward_on_gpu(window):
     grads = []
     for bwd in ("flex", "kernel"):
         backend = FlexBackend(backward=bwd)
-        plan = backend.prepare(anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window])
+        plan = backend.prepare(
+            anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window]
+        )
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out = backend.attend(qq, kk, vv, plan[window])
         out.backward(grad_out)
