@@ -54,6 +54,12 @@ def main() -> None:
         default="",
         help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages;...' (the first is also timed in grid order)",
     )
+    ap.add_argument(
+        "--write-table",
+        default="",
+        help="merge each layer kind's fastest tiles (longest first) into this table as kernel_bwd_* options "
+        "(dflash/attention/flex_tuned.json is the job's)",
+    )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
 
@@ -181,7 +187,49 @@ def main() -> None:
                 row["candidates"].append(entry)
         report["layers"].append(row)
     report["interpreted"] = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.write_table:
+        report["capability"] = list(torch.cuda.get_device_capability()) if device == "cuda" else [0, 0]
+        write_table(Path(args.write_table), report, D)
     write_report(args.out, report)
+
+
+def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
+    """Each layer kind's fastest candidate (longest-first order) as kernel_bwd_* options of that
+    kind's entry in dflash.attention.flex's table (its flex options and other entries kept)."""
+    import json
+
+    from dflash.attention.flex import KERNEL_PREFIX, layer_kind
+    from dflash.rundir import atomic_write_json
+
+    try:
+        table = json.loads(path.read_text())
+    except FileNotFoundError:
+        table = {"entries": []}
+    for row in report["layers"]:
+        timed = [c for c in row["candidates"] if c["order"] == "longest_first" and "bwd_ms" in c]
+        if not timed:
+            continue
+        best = min(timed, key=lambda c: c["bwd_ms"])
+        kind = layer_kind(None if row["window"] == "full" else int(row["window"]))
+        key = (report["capability"], head_dim, kind)
+        entry = next(
+            (e for e in table["entries"] if (e["capability"], e["head_dim"], e["kind"]) == key), None
+        )
+        if entry is None:
+            entry = {"capability": report["capability"], "head_dim": head_dim, "kind": kind, "options": {}}
+            table["entries"].append(entry)
+        opts = {k: v for k, v in entry["options"].items() if not k.startswith(KERNEL_PREFIX)}
+        entry["options"] = {**opts, **{KERNEL_PREFIX + k: v for k, v in best["tiles"].items()}}
+        entry["kernel_measured"] = {
+            "device": report["device"],
+            "torch": report["torch"],
+            "date": report["date"],
+            "command": report["command"],
+            "bwd_ms": round(best["bwd_ms"], 3),
+            "bwd_tflops": round(best["bwd_tflops"], 1),
+            "flex_bwd_ms": round(row["flex"]["bwd_ms"], 3) if "flex" in row else None,
+        }
+    atomic_write_json(path, table)
 
 
 if __name__ == "__main__":

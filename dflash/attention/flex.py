@@ -278,7 +278,7 @@ class FlexBackend:
             and torch.is_grad_enabled()
             and any(t.requires_grad for t in (q_BHQD, k_BGLD, v_BGLD))
         ):
-            fwd = {k: v for k, v in (options or {}).items() if not k.startswith("bwd_")}
+            fwd = {k: v for k, v in (options or {}).items() if not k.startswith(("bwd_", KERNEL_PREFIX))}
             tiles = kernel_tiles(options)
             out, _ = flex_with_kernel_backward(
                 q_BHQD,
@@ -297,7 +297,8 @@ class FlexBackend:
             v_BGLD,
             block_mask=plan.block_mask,
             enable_gqa=q_BHQD.shape[1] != k_BGLD.shape[1],
-            kernel_options=options,
+            kernel_options={k: v for k, v in (options or {}).items() if not k.startswith(KERNEL_PREFIX)}
+            or None,
         )
 
 
@@ -315,18 +316,20 @@ def allow_nested_flex_in_compiled_graphs() -> None:
         functorch_config.check_custom_op_aliasing = False
 
 
+KERNEL_PREFIX = "kernel_bwd_"
+"""Table options for the hand-written backward (kernel_bwd_BLOCK_M1, ...: Tiles' fields), measured
+by bench/attention_backward.py; flex never sees them."""
+
+
 def kernel_tiles(options: Mapping[str, Any] | None) -> Tiles:
-    """The hand-written backward's tiles from a layer's flex options (its bwd_* tiles, stages and
-    warps: the same tile work as flex's backward), DEFAULT_TILES where they say nothing."""
+    """The hand-written backward's tiles from a layer's table options: its own kernel_bwd_* entries,
+    else flex's bwd_* ones (the same tile work), else DEFAULT_TILES."""
     o = options or {}
-    return Tiles(
-        BLOCK_M1=int(o.get("bwd_BLOCK_M1", DEFAULT_TILES.BLOCK_M1)),
-        BLOCK_N1=int(o.get("bwd_BLOCK_N1", DEFAULT_TILES.BLOCK_N1)),
-        BLOCK_M2=int(o.get("bwd_BLOCK_M2", DEFAULT_TILES.BLOCK_M2)),
-        BLOCK_N2=int(o.get("bwd_BLOCK_N2", DEFAULT_TILES.BLOCK_N2)),
-        num_warps=int(o.get("bwd_num_warps", DEFAULT_TILES.num_warps)),
-        num_stages=int(o.get("bwd_num_stages", DEFAULT_TILES.num_stages)),
-    )
+
+    def pick(field: str, flex_key: str) -> int:
+        return int(o.get(KERNEL_PREFIX + field, o.get(flex_key, getattr(DEFAULT_TILES, field))))
+
+    return Tiles(**{f: pick(f, "bwd_" + f) for f in Tiles._fields})
 
 
 def _block_mask_of(q: Tensor, k: Tensor, tables: list[Tensor], name: str) -> BlockMask:
