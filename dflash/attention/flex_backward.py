@@ -10,8 +10,9 @@ schedule of the 8B step's full layer in grid order finishes 16% after the ideal,
 layers (one program per SM), where longest-first (LPT) finishes within 0.2%.
 
 This kernel does the same work as flex's (the same block-sparse tiles from the plan's BlockMask,
-the same arithmetic per tile: scores in float32, p = exp2(s * log2 e - lse2), ds = p * (dp - delta),
-p and ds rounded to the inputs' dtype for their products) but reads its programs from a schedule:
+the same arithmetic per tile to a rounding: scores in float32, p = exp2(qk * scale * log2 e - lse2),
+ds = p * (dp - delta), p and ds rounded to the inputs' dtype for their products) but reads its
+programs from a schedule:
 every program's (kind, batch, head, tile), ordered by the tiles it will visit, most first. The
 forward stays flex's; its log-sum-exp (natural log, as flex returns it) is the one input the
 backward needs from it besides the output.
@@ -48,6 +49,10 @@ class Tiles(NamedTuple):
 
 DEFAULT_TILES = Tiles()
 """flex's tuned backward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
+
+LOG2_E = 1.4426950408889634
+"""Scores are taken in base 2: s * scale * log2(e) against the log-sum-exp over ln 2, one multiply
+per score (flex multiplies by the scale and by log2(e) one after the other: the same to a rounding)."""
 
 DKV_COST, DQ_COST, PROGRAM_COST = 4, 3, 4
 """Schedule weights: a dK/dV step makes four products of its tile, a dQ step three; a program's
@@ -108,7 +113,7 @@ def _kernels() -> Any:
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
         sdq_z, sdq_h, sdq_m, sdk_z, sdk_h, sdk_n, sdv_z, sdv_h, sdv_n,
         s_kvnum_z, s_kvidx_z, s_kvidx_m, s_qnum_z, s_qidx_z, s_qidx_n, s_ctx_z,
-        HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE,
+        HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     ):  # fmt: skip
@@ -161,7 +166,7 @@ def _kernels() -> Any:
                         lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
                         lse2 = tl.where(lse == -float("inf"), 0.0, lse * RCP_LN2)
                         di = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
-                        s = tl.dot(k, qT) * SM_SCALE
+                        s = tl.dot(k, qT) * QK_SCALE
                         if part == 0:
                             lo = tl.load(CTX_LO + z * s_ctx_z + offs_m, mask=m_ok, other=0)
                             hi = tl.load(CTX_HI + z * s_ctx_z + offs_m, mask=m_ok, other=0)
@@ -172,7 +177,7 @@ def _kernels() -> Any:
                                 (keys >= olo[None, :]) & (keys < ohi[None, :])
                             )
                             s = tl.where(ok, s, -float("inf"))
-                        pT = tl.math.exp2(s * RCP_LN2 - lse2[None, :])
+                        pT = tl.math.exp2(s - lse2[None, :])
                         dv += tl.dot(pT.to(do.dtype), do)
                         dpT = tl.dot(v, tl.trans(do))
                         dsT = pT * (dpT - di[None, :])
@@ -243,14 +248,14 @@ def _kernels() -> Any:
                     vT = tl.load(
                         v_ptr + offs_n[None, :] * sv_n + offs_d[:, None], mask=n_ok[None, :], other=0.0
                     )
-                    s = tl.dot(q, kT) * SM_SCALE
+                    s = tl.dot(q, kT) * QK_SCALE
                     if part == 0:
                         keys = offs_n[None, :]
                         ok = ((keys >= lo[:, None]) & (keys < hi[:, None])) | (
                             (keys >= olo[:, None]) & (keys < ohi[:, None])
                         )
                         s = tl.where(ok, s, -float("inf"))
-                    p = tl.math.exp2(s * RCP_LN2 - lse2[:, None])
+                    p = tl.math.exp2(s - lse2[:, None])
                     dp = tl.dot(do, vT)
                     ds = p * (dp - di[:, None])
                     dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
@@ -394,6 +399,7 @@ def attention_backward(
         m2,
         B * HKV * n1,
         scale,
+        scale * LOG2_E,
         D=D,
         GQA=HQ // HKV,
         SPARSE=sparse,
