@@ -65,7 +65,7 @@ def main() -> None:
 
     import torch
 
-    from dflash.attention.flex import FlexBackend, kernel_tiles
+    from dflash.attention.flex import FlexBackend
     from dflash.attention.flex_backward import Tiles, attention_backward
     from dflash.attention.mask import allowed_pairs
     from dflash.objective import sample_anchors
@@ -140,11 +140,9 @@ def main() -> None:
         # The kernel's backward alone: the forward's output and lse once, then each candidate.
         from dflash.attention.flex import flex_with_kernel_backward
 
-        opts = kernel_backend.kernel_options(kernel_plan, D, dtype)
-        tiles0 = kernel_tiles(opts)
         with torch.no_grad():
             out, lse = flex_with_kernel_backward(
-                q, k, v, list(kernel_plan.tables), "m", "{}", not tiny, list(tiles0)
+                q, k, v, list(kernel_plan.tables), kernel_plan.mask_name, kernel_backend.key, kernel_plan.kind
             )
         row["candidates"] = []
         for c in cand:

@@ -173,6 +173,8 @@ class FlexPlan(NamedTuple):
     tables: Tables | None = None
     """The block mask's tile lists and row intervals, for the hand-written backward (prepare sets
     them)."""
+    mask_name: str = ""
+    """The mask_mod's name (dflash.attention.mask.mask_name)."""
 
 
 TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
@@ -229,18 +231,26 @@ class FlexBackend:
         if backward not in BACKWARDS:
             raise ValueError(f"flex backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
         self.backward = backward
+        self.key = f"flex-backend-{len(_BACKENDS)}"
+        _BACKENDS[self.key] = self
         if backward == "kernel":
             allow_nested_flex_in_compiled_graphs()
         """flex: flex's own backward kernel; kernel: dflash.attention.flex_backward's (the forward
         is flex's either way)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
-        """The options this layer's flex kernels compile with (None: inductor's defaults)."""
+        """The options this layer's flex kernels compile with (None: inductor's defaults); the table's
+        kernel_bwd_* ones among them (flex_options leaves those out)."""
+        return self.options_for(plan.kind, plan.capability, head_dim, dtype)
+
+    def options_for(
+        self, kind: str, capability: tuple[int, int] | None, head_dim: int, dtype: torch.dtype
+    ) -> dict[str, Any] | None:
         if self.kernel_options_override is not None:
-            return dict(self.kernel_options_override.get(plan.kind) or {}) or None
-        if not self.tuned or plan.capability is None or dtype != torch.bfloat16:
+            return dict(self.kernel_options_override.get(kind) or {}) or None
+        if not self.tuned or capability is None or dtype != torch.bfloat16:
             return None
-        tuned = TUNED_KERNEL_OPTIONS.get((plan.capability, head_dim, plan.kind))
+        tuned = TUNED_KERNEL_OPTIONS.get((capability, head_dim, kind))
         return dict(tuned) if tuned else None
 
     def prepare(
@@ -266,43 +276,51 @@ class FlexBackend:
                 window=w,
                 causal_block=causal,
             )
-            plans[w] = FlexPlan(block_mask, layer_kind(w), capability, tables)
+            plans[w] = FlexPlan(
+                block_mask, layer_kind(w), capability, tables, mask_name(block_size, w, causal)
+            )
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: FlexPlan) -> Tensor:
-        options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
         if (
             self.backward == "kernel"
             and plan.tables is not None
             and torch.is_grad_enabled()
             and any(t.requires_grad for t in (q_BHQD, k_BGLD, v_BGLD))
         ):
-            fwd = {k: v for k, v in (options or {}).items() if not k.startswith(("bwd_", KERNEL_PREFIX))}
-            tiles = kernel_tiles(options)
+            # Strings and tensors only: the op's options are looked up when it runs (a dict or a
+            # json.dumps here would break the compiled layer's graph in two).
             out, _ = flex_with_kernel_backward(
-                q_BHQD,
-                k_BGLD,
-                v_BGLD,
-                list(plan.tables),
-                plan.block_mask.mask_mod.__name__,
-                json.dumps(fwd, sort_keys=True),
-                self.compiled,
-                list(tiles),
+                q_BHQD, k_BGLD, v_BGLD, list(plan.tables), plan.mask_name, self.key, plan.kind
             )
             return out
+        options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
         return self._flex(
             q_BHQD,
             k_BGLD,
             v_BGLD,
             block_mask=plan.block_mask,
             enable_gqa=q_BHQD.shape[1] != k_BGLD.shape[1],
-            kernel_options={k: v for k, v in (options or {}).items() if not k.startswith(KERNEL_PREFIX)}
-            or None,
+            kernel_options=without_kernel_keys(options),
         )
+
+    def op_options(self, kind: str, q: Tensor) -> tuple[dict[str, Any] | None, Tiles]:
+        """(flex's forward options, the kernel's tiles) for flex_with_kernel_backward on q."""
+        capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        options = self.options_for(kind, capability, q.shape[-1], q.dtype)
+        fwd = {k: v for k, v in (options or {}).items() if not k.startswith(("bwd_", KERNEL_PREFIX))}
+        return fwd or None, kernel_tiles(options)
 
 
 BACKWARDS = ("flex", "kernel")
+_BACKENDS: dict[str, FlexBackend] = {}
+"""Every FlexBackend of the process by its key: flex_with_kernel_backward finds its options here."""
+
+
+def without_kernel_keys(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The options flex takes: the table's kernel_bwd_* ones left out."""
+    return {k: v for k, v in (options or {}).items() if not k.startswith(KERNEL_PREFIX)} or None
 
 
 def allow_nested_flex_in_compiled_graphs() -> None:
@@ -352,19 +370,15 @@ def _block_mask_of(q: Tensor, k: Tensor, tables: list[Tensor], name: str) -> Blo
 
 @torch.library.custom_op("dflash::flex_with_kernel_backward", mutates_args=())
 def flex_with_kernel_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    tables: list[Tensor],
-    mask_name: str,
-    fwd_options: str,
-    compiled: bool,
-    tiles: list[int],
+    q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor], mask_name: str, backend: str, kind: str
 ) -> tuple[Tensor, Tensor]:
-    """flex's forward (compiled with the layer's fwd_* options) returning (out, natural-log lse);
-    its backward is dflash.attention.flex_backward's kernel (registered below). One op, opaque to
-    the compiled layer around it: the forward compiles on its own, as flex_attention_compiled."""
-    flex = flex_attention_compiled if compiled else flex_attention
+    """flex's forward (compiled with the layer kind's fwd_* options of FlexBackend `backend`)
+    returning (out, natural-log lse); its backward is dflash.attention.flex_backward's kernel
+    (registered below). One op, opaque to the compiled layer around it: the forward compiles on its
+    own, as flex_attention_compiled."""
+    owner = _BACKENDS[backend]
+    fwd_options, _ = owner.op_options(kind, q)
+    flex = flex_attention_compiled if owner.compiled else flex_attention
     q, k, v = q.detach(), k.detach(), v.detach()  # the op's autograd is registered: flex traces no backward
     out, aux = flex(
         q,
@@ -373,7 +387,7 @@ def flex_with_kernel_backward(
         block_mask=_block_mask_of(q, k, tables, mask_name),
         scale=1.0 / math.sqrt(q.shape[-1]),
         enable_gqa=q.shape[1] != k.shape[1],
-        kernel_options=json.loads(fwd_options) or None,
+        kernel_options=fwd_options,
         return_aux=AuxRequest(lse=True),
     )
     expected = torch.empty_like(q, dtype=v.dtype)
@@ -383,21 +397,21 @@ def flex_with_kernel_backward(
 
 
 @flex_with_kernel_backward.register_fake
-def _(q, k, v, tables, mask_name, fwd_options, compiled, tiles):  # noqa: ANN001, ANN202
+def _(q, k, v, tables, mask_name, backend, kind):  # noqa: ANN001, ANN202
     B, H, Q, _ = q.shape
     return torch.empty_like(q, dtype=v.dtype), q.new_empty((B, H, Q), dtype=torch.float32)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, tables, _, _, _, tiles = inputs
+    q, k, v, tables, _, backend, kind = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], *tables)
-    ctx.tiles = Tiles(*tiles)
+    ctx.tiles = _BACKENDS[backend].op_options(kind, q)[1]
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, out, lse, *tables = ctx.saved_tensors
     dq, dk, dv = kernel_backward(grad_out, q, k, v, out, lse, tables, list(ctx.tiles))
-    return dq, dk, dv, [None] * len(tables), None, None, None, None
+    return dq, dk, dv, [None] * len(tables), None, None, None
 
 
 @torch.library.custom_op("dflash::flex_kernel_backward", mutates_args=())

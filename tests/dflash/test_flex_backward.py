@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch._dynamo
 from interpreter_helpers import main, run_interpreted
 
 from dflash.attention.flex import FlexBackend, block_mask_and_tables
@@ -148,6 +149,24 @@ def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
         ("dq", "dk", "dv"), (2 * ref[0], ref[1], ref[2]), (qq.grad, kk.grad, vv.grad), strict=True
     ):
         assert x is not None and rel(x, r) < 2e-6, f"{name}: relative error {rel(x, r):.2e}"
+
+
+def test_the_op_keeps_a_compiled_layer_one_graph():
+    """The kernel backward's op inside a compiled region: no graph break (a break splits the
+    trainer's compiled layer and runs the casts around the op eagerly; measured on the H200 before
+    this test: 4.4 ms of copies per 8B step)."""
+    anchors, lens = anchors_and_lens(seed=1)
+    q, k, v, _ = inputs(seed=1)
+    backend = FlexBackend(compile=False, backward="kernel")
+    plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[None])[None]
+
+    def layer(q, k, v):  # noqa: ANN001, ANN202
+        return backend.attend((q * 2).to(torch.float32), k, v, plan)
+
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    explained = torch._dynamo.explain(layer)(qq, kk, vv)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
 
 
 CHECKS = {
