@@ -231,7 +231,11 @@ class FlexBackend:
         if backward not in BACKWARDS:
             raise ValueError(f"flex backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
         self.backward = backward
-        self.key = f"flex-backend-{len(_BACKENDS)}"
+        # What decides the op's options, as a string: equal backends share a key (a compiled layer's
+        # graph holds it as a constant, so it must not depend on how many backends a process made).
+        self.key = json.dumps(
+            {"compile": compile, "tuned": tuned, "options": self.kernel_options_override}, sort_keys=True
+        )
         _BACKENDS[self.key] = self
         if backward == "kernel":
             allow_nested_flex_in_compiled_graphs()
@@ -315,7 +319,7 @@ class FlexBackend:
 
 BACKWARDS = ("flex", "kernel")
 _BACKENDS: dict[str, FlexBackend] = {}
-"""Every FlexBackend of the process by its key: flex_with_kernel_backward finds its options here."""
+"""FlexBackends by their key (their settings): flex_with_kernel_backward finds its options here."""
 
 
 def without_kernel_keys(options: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -167,6 +167,10 @@ def test_the_op_keeps_a_compiled_layer_one_graph():
     explained = torch._dynamo.explain(layer)(qq, kk, vv)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+    # The op names its backend by settings, not by creation order: a compiled graph holds the key as
+    # a constant, and the compile cache must hit in a process that made its backends differently.
+    assert FlexBackend(compile=False, backward="kernel").key == backend.key
+    assert FlexBackend(compile=False, tuned=False, backward="kernel").key != backend.key
 
 
 CHECKS = {
