@@ -261,9 +261,12 @@ class AttentionConfig:
     on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
     defaults. GPUs without a measured entry always get the defaults."""
     flex_backward: str = "auto"
-    """flex | kernel | auto (kernel on GPU): flex's own backward kernel, or dflash's hand-written one
-    for the DFlash mask (dflash.attention.flex_backward: the same tiles and arithmetic, its programs
-    run longest first; docs/BENCHMARKS.md). The forward is flex's either way."""
+    """flex | kernel | auto (= flex): flex's own backward kernel, or dflash's hand-written one for the
+    DFlash mask (dflash.attention.flex_backward: flex's tiles and arithmetic, its programs run longest
+    first; 6-11% faster than flex's on the H200, docs/BENCHMARKS.md). The forward is flex's either way.
+    kernel is not the default yet: its op runs flex's compiled forward inside the compiled layer, and
+    that call waits for the device once per layer (the H200 GPU test of 2026-12-03), where the job's
+    step must queue without a sync."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -43,12 +43,10 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
 
 
 def resolve_flex_backward(cfg: JobConfig, device: torch.device) -> str:
-    """attention.flex_backward: auto takes the hand-written kernel where kernels run (a GPU); flex
-    otherwise (the CPU trains with sdpa, and flex has no CPU backward of its own)."""
+    """attention.flex_backward: auto is flex's own backward everywhere (the kernel's op still waits for
+    the device once per layer on a GPU: config.AttentionConfig.flex_backward); kernel or flex as set."""
     choice = cfg.attention.flex_backward
-    if choice == "auto":
-        return "kernel" if device.type == "cuda" else "flex"
-    return choice
+    return "flex" if choice == "auto" else choice
 
 
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:

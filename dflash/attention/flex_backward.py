@@ -23,6 +23,14 @@ pairs that mask allows, no others.
 
 On the CPU the job never calls this; the tests run it through Triton's interpreter
 (dflash.triton_jit) against float64 autograd of the dense-mask reference.
+
+Status (H200, 2026-12-03, docs/BENCHMARKS.md): at 64 x 64 tiles with 4 warps this backward takes
+4.46-4.52 ms on the 8B step's full layer against flex's 5.04-5.08 and 3.65-3.77 ms on a sliding one
+against 3.94-3.99, gradients within 1.5e-4 of flex's. It is opt-in (attention.flex_backward = kernel):
+the op that carries it (dflash.attention.flex.flex_with_kernel_backward) calls flex's compiled forward
+from inside the compiled layer, and that call waits for the device once per layer, which the job's
+step must not (tests/dflash/test_trainer_step.py's sync test). Where the wait comes from is not found
+yet; a forward of our own in the op, no nested compile, is the way to remove it.
 """
 
 from __future__ import annotations
