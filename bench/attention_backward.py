@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
+from flex_tune import make_inputs, rel_err  # noqa: E402  (the same inputs as flex_tune's)
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); the first is flex's tuned backward.
 CANDIDATES = [
@@ -37,10 +38,6 @@ CANDIDATES = [
     (32, 64, 64, 32, 4, 3),
     (128, 128, 128, 128, 8, 1),
 ]
-
-
-def rel(a: Any, b: Any) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 def main() -> None:
@@ -68,11 +65,9 @@ def main() -> None:
     from dflash.attention.flex import FlexBackend
     from dflash.attention.flex_backward import Tiles, attention_backward
     from dflash.attention.mask import allowed_pairs
-    from dflash.objective import sample_anchors
 
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
-    dtype = torch.float32 if tiny else torch.bfloat16
     B, S, A, K, H, G, D = (1, 200, 40, 4, 4, 2, 16) if tiny else (2, 4096, 512, 16, 32, 8, 128)
     windows = ["full", "13"] if tiny else args.windows.split(",")
     reps = 1 if tiny else args.reps
@@ -81,13 +76,12 @@ def main() -> None:
         cand = [tuple(int(x) for x in c.split(",")) for c in args.tiles.split(";")]
     if tiny:
         cand = [(32, 64, 64, 32, 4, 1)]
-    gen = torch.Generator().manual_seed(0)
-    anchors = sample_anchors(torch.ones(B, S, dtype=torch.bool), torch.full((B,), S), A, gen).to(device)
-    seq_lens = torch.full((B,), S, device=device)
-    q = torch.randn(B, H, A * K, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, G, S + A * K, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, G, S + A * K, D, generator=gen).to(device, dtype)
-    grad = torch.randn(q.shape, generator=gen).to(device, dtype)
+    sizes = argparse.Namespace(
+        tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D
+    )
+    inputs = make_inputs(sizes)
+    anchors, seq_lens = inputs["anchors"], inputs["seq_lens"]
+    q, k, v, grad = inputs["q"], inputs["k"], inputs["v"], inputs["grad"]
     report: dict[str, Any] = {**report_header("attention_backward", device == "cuda"), "layers": []}
     for wname in windows:
         window = None if wname == "full" else int(wname)
@@ -133,7 +127,7 @@ def main() -> None:
                 kernel_plan, kernel_backend = plan, backend
         if "flex" in results:
             row["kernel_vs_flex_rel_err"] = {
-                n: rel(a, b)
+                n: rel_err(a, b)
                 for n, a, b in zip(("dq", "dk", "dv"), results["kernel"], results["flex"], strict=True)
             }
             print(f"{wname} kernel vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)

@@ -104,7 +104,8 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
     from dflash.resolve import resolve_bf16_weights, resolve_flex_backward
     from dflash.shapes import shape_plan
 
-    bf16_weights = resolve_bf16_weights(cfg, torch.device(device_type))
+    device = torch.device(device_type)
+    bf16_weights = resolve_bf16_weights(cfg, device)
 
     return {
         "target": target_fingerprint(cfg, spec, target_path),
@@ -119,7 +120,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "compile": cfg.attention.compile,
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
             # The layers' graphs hold flex's backward or the kernel's op.
-            "flex_backward": resolve_flex_backward(cfg, torch.device(device_type)),
+            "flex_backward": resolve_flex_backward(cfg, device),
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
         "drafter": spec.to_dict(),

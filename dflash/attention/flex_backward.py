@@ -18,7 +18,7 @@ forward stays flex's; its log-sum-exp (natural log, as flex returns it) is the o
 backward needs from it besides the output.
 
 Masking: a tile listed as full is computed unmasked; a partial one through the per-row intervals
-of dflash.attention.flex.dflash_block_mask (context [lo, hi) and own block [own_lo, own_hi)), the
+of dflash.attention.flex.block_mask_and_tables (context [lo, hi) and own block [own_lo, own_hi)), the
 pairs that mask allows, no others.
 
 On the CPU the job never calls this; the tests run it through Triton's interpreter
@@ -54,6 +54,10 @@ class Tiles(NamedTuple):
     num_warps: int = 8
     num_stages: int = 2
 
+    def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
+        return -(-kv_len // self.BLOCK_N1), -(-q_len // self.BLOCK_M2)
+
 
 DEFAULT_TILES = Tiles()
 """flex's tuned backward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
@@ -84,6 +88,11 @@ class Tables(NamedTuple):
     ctx_hi: Tensor
     own_lo: Tensor
     own_hi: Tensor
+
+    @property
+    def tile_lists(self) -> tuple[Tensor, ...]:
+        """The eight BlockMask lists, in BlockMask's own argument order (kv_num ... full_q_idx)."""
+        return tuple(self[:8])
 
 
 @jit_per_mode
@@ -300,17 +309,8 @@ def schedule(
     dQ programs of its query heads), for benchmarks that measure what the order alone is worth."""
     B = tables.kv_num.shape[0]
     gqa = heads // kv_heads
-    n1 = -(-kv_len // tiles.BLOCK_N1)
-    m2 = -(-q_len // tiles.BLOCK_M2)
+    n1, m2 = tiles.programs(q_len, kv_len)
     dev = tables.kv_num.device
-    q_steps_BN = (tables.q_num + tables.full_q_num)[:, 0, :].to(torch.int64)  # [B, key sparse blocks]
-    dkv_BN = q_steps_BN[:, torch.arange(n1, device=dev) * tiles.BLOCK_N1 // sparse]
-    dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * DKV_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1)
-    dkv = (dkv_BN[:, None, :] + PROGRAM_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1).expand(B, kv_heads, n1)
-    kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
-    dq_BM = kv_steps_BM[:, torch.arange(m2, device=dev) * tiles.BLOCK_M2 // sparse]
-    dq_BM = dq_BM * ((sparse // tiles.BLOCK_N2) * DQ_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2)
-    dq = (dq_BM[:, None, :] + PROGRAM_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2).expand(B, heads, m2)
     if order == "grid":
         gqa_heads = torch.arange(heads, device=dev).view(kv_heads, gqa)
         dkv_ids = torch.arange(B * kv_heads * n1, device=dev).view(B, kv_heads, n1).transpose(0, 1)
@@ -319,6 +319,14 @@ def schedule(
         return torch.cat([dkv_ids, dq_ids], dim=2).reshape(-1).to(torch.int32)
     if order != "longest_first":
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    q_steps_BN = (tables.q_num + tables.full_q_num)[:, 0, :].to(torch.int64)  # [B, key sparse blocks]
+    dkv_BN = q_steps_BN[:, torch.arange(n1, device=dev) * tiles.BLOCK_N1 // sparse]
+    dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * DKV_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1)
+    dkv = (dkv_BN[:, None, :] + PROGRAM_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1).expand(B, kv_heads, n1)
+    kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
+    dq_BM = kv_steps_BM[:, torch.arange(m2, device=dev) * tiles.BLOCK_M2 // sparse]
+    dq_BM = dq_BM * ((sparse // tiles.BLOCK_N2) * DQ_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2)
+    dq = (dq_BM[:, None, :] + PROGRAM_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2).expand(B, heads, m2)
     work = torch.cat([dkv.reshape(-1), dq.reshape(-1)])
     return torch.argsort(work, descending=True, stable=True).to(torch.int32)
 
@@ -360,7 +368,7 @@ def attention_backward(
     # then reads them without a transposing copy.
     dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
     sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
-    n1, m2 = -(-KL // tiles.BLOCK_N1), -(-QL // tiles.BLOCK_M2)
+    n1, m2 = tiles.programs(QL, KL)
     t = tables
     backward[(sched.numel(),)](
         q,
@@ -373,18 +381,7 @@ def attention_backward(
         lse,
         delta,
         sched,
-        t.kv_num,
-        t.kv_idx,
-        t.full_kv_num,
-        t.full_kv_idx,
-        t.q_num,
-        t.q_idx,
-        t.full_q_num,
-        t.full_q_idx,
-        t.ctx_lo,
-        t.ctx_hi,
-        t.own_lo,
-        t.own_hi,
+        *t,  # the kernel's table arguments are Tables' fields, in order
         *q.stride()[:3],
         *k.stride()[:3],
         *v.stride()[:3],

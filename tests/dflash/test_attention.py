@@ -133,12 +133,12 @@ def _block_sets(num, idx):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("seed", range(4))
 def test_closed_form_block_mask_equals_create_block_mask(seed):
-    """dflash_block_mask computes the BlockMask from the anchors; create_block_mask evaluates the
+    """block_mask_and_tables computes the BlockMask from the anchors; create_block_mask evaluates the
     mask_mod on every pair. Same partial and full tiles, both directions, for full and sliding layers,
     causal blocks, padded (-1) anchors, short rows and shapes that are not tile multiples."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.attention.flex import dflash_block_mask
+    from dflash.attention.flex import block_mask_and_tables
     from dflash.attention.mask import dflash_mask_mod
 
     g = torch.Generator().manual_seed(seed)
@@ -160,7 +160,7 @@ def test_closed_form_block_mask_equals_create_block_mask(seed):
                 anchors, seq_lens, context_len=S, block_size=K, window=window, causal_block=causal
             )
             ref = create_block_mask(mod, 3, None, A * K, S + A * K, device="cpu")
-            got = dflash_block_mask(
+            got, _ = block_mask_and_tables(
                 anchors,
                 seq_lens,
                 context_len=S,
