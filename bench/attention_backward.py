@@ -1,4 +1,4 @@
-"""The DFlash attention's backward: flex's own kernel against dflash.attention.flex_backward's, on the
+"""The DFlash attention's backward: flex's own kernel against dflash.attention.triton_attention's, on the
 drafter step's shape, through the job's FlexBackend (its tuned forward either way).
 
 H200 (2 x 4096 context, 512 anchors x 16, 32/8 heads, head dim 128, bf16; full and sliding 2048):
@@ -63,7 +63,7 @@ def main() -> None:
     import torch
 
     from dflash.attention.flex import FlexBackend
-    from dflash.attention.flex_backward import Tiles, attention_backward
+    from dflash.attention.triton_attention import Tiles, attention_backward
     from dflash.attention.mask import allowed_pairs
 
     tiny = args.tiny

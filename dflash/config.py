@@ -260,21 +260,20 @@ class AttentionConfig:
     """flex: compile with the kernel options (tiles, stages, warps) measured best for the DFlash mask
     on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
     defaults. GPUs without a measured entry always get the defaults."""
-    flex_backward: str = "auto"
-    """flex | kernel | auto (= flex): flex's own backward kernel, or dflash's hand-written one for the
-    DFlash mask (dflash.attention.flex_backward: flex's tiles and arithmetic, its programs run longest
-    first; 6-11% faster than flex's on the H200, docs/BENCHMARKS.md). The forward is flex's either way.
-    kernel is not the default yet: its op runs flex's compiled forward inside the compiled layer, and
-    that call waits for the device once per layer (the H200 GPU test of 2026-12-03), where the job's
-    step must queue without a sync."""
+    flex_kernels: str = "auto"
+    """flex | dflash | auto (= dflash on a GPU, flex elsewhere): the flex backend's attention kernels:
+    flex's own (compiled by inductor from the mask), or dflash's hand-written Triton forward and
+    backward for the DFlash mask (dflash.attention.triton_attention: flex's block-sparse tiles and
+    arithmetic, their programs run longest first; docs/BENCHMARKS.md has their speed on the H200).
+    On the CPU dflash's kernels run only through Triton's interpreter (the tests), so auto is flex."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.backend not in ("flex", "sdpa", "auto"):
             raise ConfigError("attention.backend", f"must be flex, sdpa or auto, got {self.backend!r}")
-        if self.flex_backward not in ("flex", "kernel", "auto"):
+        if self.flex_kernels not in ("flex", "dflash", "auto"):
             raise ConfigError(
-                "attention.flex_backward", f"must be flex, kernel or auto, got {self.flex_backward!r}"
+                "attention.flex_kernels", f"must be flex, dflash or auto, got {self.flex_kernels!r}"
             )
         if str(self.strict_kernels) not in ("true", "false", "auto", "True", "False"):
             raise ConfigError("attention.strict_kernels", "must be true, false or auto")

@@ -101,7 +101,7 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
 def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
     import torch
 
-    from dflash.resolve import resolve_bf16_weights, resolve_flex_backward
+    from dflash.resolve import resolve_bf16_weights, resolve_flex_kernels
     from dflash.shapes import shape_plan
 
     device = torch.device(device_type)
@@ -120,7 +120,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "compile": cfg.attention.compile,
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
             # The layers' graphs hold flex's backward or the kernel's op.
-            "flex_backward": resolve_flex_backward(cfg, device),
+            "flex_kernels": resolve_flex_kernels(cfg, device),
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
         "drafter": spec.to_dict(),

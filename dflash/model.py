@@ -122,7 +122,7 @@ class DFlashDrafter(nn.Module):
         sdpa_chunk_blocks: int = 64,
         compile: bool = True,
         tuned_kernels: bool = True,
-        flex_backward: str = "flex",
+        flex_kernels: str = "flex",
     ) -> None:
         super().__init__()
         for name, w in (("embedding", embed_weight_VH), ("lm_head", lm_head_weight_VH)):
@@ -137,7 +137,7 @@ class DFlashDrafter(nn.Module):
             sdpa_chunk_blocks=sdpa_chunk_blocks,
             compile=compile,
             tuned_kernels=tuned_kernels,
-            flex_backward=flex_backward,
+            flex_kernels=flex_kernels,
         )
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.

@@ -42,11 +42,12 @@ def resolve_backend(cfg: JobConfig, device: torch.device) -> str:
     return backend
 
 
-def resolve_flex_backward(cfg: JobConfig, device: torch.device) -> str:
-    """attention.flex_backward: auto is flex's own backward everywhere (the kernel's op still waits for
-    the device once per layer on a GPU: config.AttentionConfig.flex_backward); kernel or flex as set."""
-    choice = cfg.attention.flex_backward
-    return "flex" if choice == "auto" else choice
+def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
+    """attention.flex_kernels: auto is dflash's kernels on a GPU, flex's elsewhere; dflash or flex as set."""
+    choice = cfg.attention.flex_kernels
+    if choice == "auto":
+        return "dflash" if device.type == "cuda" else "flex"
+    return choice
 
 
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:

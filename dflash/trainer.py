@@ -30,7 +30,7 @@ from dflash.objective import (
     trained_count,
 )
 from dflash.optim_kernel import KernelAdamW
-from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_flex_backward, resolve_fused_loss
+from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_flex_kernels, resolve_fused_loss
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
 
@@ -204,7 +204,7 @@ class DrafterTrainer:
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
-        self.flex_backward = resolve_flex_backward(cfg, device)
+        self.flex_kernels = resolve_flex_kernels(cfg, device)
         self.fused_loss = resolve_fused_loss(cfg, device)
         self.bf16_weights = resolve_bf16_weights(cfg, device)
         self.plan = plan if plan is not None else shape_plan(cfg)
@@ -217,7 +217,7 @@ class DrafterTrainer:
             sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
             compile=cfg.attention.compile,
             tuned_kernels=cfg.attention.tuned_kernels,
-            flex_backward=self.flex_backward,
+            flex_kernels=self.flex_kernels,
         ).to(device)
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}

@@ -40,15 +40,15 @@ def make_backend(
     sdpa_chunk_blocks: int = 64,
     compile: bool = True,
     tuned_kernels: bool = True,
-    flex_backward: str = "flex",
+    flex_kernels: str = "flex",
 ) -> AttentionBackend:
     """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip.
     tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS);
-    flex_backward: flex's own backward or the hand-written kernel (dflash.attention.flex_backward)."""
+    flex_kernels: flex's own kernels or dflash's hand-written ones (dflash.attention.triton_attention)."""
     if name == "flex":
         from dflash.attention.flex import FlexBackend
 
-        return FlexBackend(compile=compile, tuned=tuned_kernels, backward=flex_backward)
+        return FlexBackend(compile=compile, tuned=tuned_kernels, kernels=flex_kernels)
     if name == "sdpa":
         from dflash.attention.sdpa import SdpaBackend
 

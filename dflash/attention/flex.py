@@ -18,10 +18,19 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash.attention.flex_backward import DEFAULT_TILES, Tables, Tiles, attention_backward, grad_like
 from dflash.attention.mask import layer_masks, mask_name
+from dflash.attention.triton_attention import (
+    DEFAULT_FWD_TILES,
+    DEFAULT_TILES,
+    FwdTiles,
+    Tables,
+    Tiles,
+    attention_backward,
+    attention_forward,
+    grad_like,
+)
 
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
 
@@ -52,7 +61,7 @@ def block_mask_and_tables(
     causal_block: bool,
 ) -> tuple[BlockMask, Tables]:
     """The DFlash mask's BlockMask computed from the anchors, in closed form, and the tables the
-    hand-written backward (dflash.attention.flex_backward) reads: the same tile lists and intervals.
+    hand-written backward (dflash.attention.triton_attention) reads: the same tile lists and intervals.
 
     create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
     grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
@@ -180,7 +189,7 @@ class FlexBackend:
         compile: bool = True,
         tuned: bool = True,
         kernel_options: Mapping[str, Mapping[str, Any]] | None = None,
-        backward: str = "flex",
+        kernels: str = "flex",
     ) -> None:
         # compile=False is the unfused fallback: it exists so the degraded-kernel guard can be
         # exercised and so a run can opt out knowingly; it is never chosen silently.
@@ -194,23 +203,15 @@ class FlexBackend:
             else None
         )
         """{kind: options} in place of TUNED_KERNEL_OPTIONS (bench/flex_tune.py tries candidates so)."""
-        if backward not in BACKWARDS:
-            raise ValueError(f"flex backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
-        self.backward = backward
-        # What decides the op's options, as a string: equal backends share a key (a compiled layer's
-        # graph holds it as a constant, so it must not depend on how many backends a process made).
-        self.key = json.dumps(
-            {"compile": compile, "tuned": tuned, "options": self.kernel_options_override}, sort_keys=True
-        )
-        _BACKENDS[self.key] = self
-        if backward == "kernel":
-            allow_nested_flex_in_compiled_graphs()
-        """flex: flex's own backward kernel; kernel: dflash.attention.flex_backward's (the forward
-        is flex's either way)."""
+        if kernels not in KERNELS:
+            raise ValueError(f"flex kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        self.kernels = kernels
+        """flex: flex's compiled kernels; dflash: dflash.attention.triton_attention's forward and
+        backward (one custom op, dflash_attention)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
         """The options this layer's flex kernels compile with (None: inductor's defaults); the table's
-        kernel_bwd_* ones among them (flex_options leaves those out)."""
+        kernel_* ones among them (flex's calls leave those out)."""
         return self.options_for(plan.kind, plan.capability, head_dim, dtype)
 
     def options_for(
@@ -253,19 +254,13 @@ class FlexBackend:
         return plans
 
     def attend(self, q_BHQD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, plan: FlexPlan) -> Tensor:
-        if (
-            self.backward == "kernel"
-            and plan.tables is not None
-            and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q_BHQD, k_BGLD, v_BGLD))
-        ):
-            # Strings and tensors only: the op's options are looked up when it runs (a dict or a
-            # json.dumps here would break the compiled layer's graph in two).
-            out, _ = flex_with_kernel_backward(
-                q_BHQD, k_BGLD, v_BGLD, list(plan.tables), plan.mask_name, self.key, plan.kind
-            )
-            return out
         options = self.kernel_options(plan, q_BHQD.shape[-1], q_BHQD.dtype)
+        if self.kernels == "dflash" and plan.tables is not None:
+            fwd, bwd = kernel_tiles(options)
+            # Tensors and ints only: the op takes no dicts (a dict or a json.dumps here would break
+            # the compiled layer's graph in two).
+            out, _ = dflash_attention(q_BHQD, k_BGLD, v_BGLD, list(plan.tables), [*fwd, *bwd])
+            return out
         return self._flex(
             q_BHQD,
             k_BGLD,
@@ -275,109 +270,73 @@ class FlexBackend:
             kernel_options=without_kernel_keys(options),
         )
 
-    def op_options(self, kind: str, q: Tensor) -> tuple[dict[str, Any] | None, Tiles]:
-        """(flex's forward options, the kernel's tiles) for flex_with_kernel_backward on q."""
-        capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-        options = self.options_for(kind, capability, q.shape[-1], q.dtype)
-        fwd = {k: v for k, v in (options or {}).items() if not k.startswith(("bwd_", KERNEL_PREFIX))}
-        return fwd or None, kernel_tiles(options)
 
+KERNELS = ("flex", "dflash")
 
-BACKWARDS = ("flex", "kernel")
-_BACKENDS: dict[str, FlexBackend] = {}
-"""FlexBackends by their key (their settings): flex_with_kernel_backward finds its options here."""
+KERNEL_PREFIX = "kernel_"
+"""Table options for dflash's own kernels (kernel_fwd_BLOCK_M, ... FwdTiles' fields; kernel_bwd_BLOCK_M1,
+... Tiles' fields), measured by bench/attention_backward.py; flex never sees them."""
 
 
 def without_kernel_keys(options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The options flex takes: the table's kernel_bwd_* ones left out."""
+    """The options flex takes: the table's kernel_* ones left out."""
     return {k: v for k, v in (options or {}).items() if not k.startswith(KERNEL_PREFIX)} or None
 
 
-def allow_nested_flex_in_compiled_graphs() -> None:
-    """flex_with_kernel_backward's forward runs flex (compiled on its own) inside the compiled
-    layer's graph. AOTAutograd's first run of each graph checks its custom ops for aliasing under a
-    dispatch mode (torch._functorch.config.check_custom_op_aliasing, where torch has it), and flex
-    cannot run under that mode; the op's outputs are new tensors, so the check is turned off."""
-    import torch._functorch.config as functorch_config
-
-    if hasattr(functorch_config, "check_custom_op_aliasing"):
-        functorch_config.check_custom_op_aliasing = False
-
-
-KERNEL_PREFIX = "kernel_bwd_"
-"""Table options for the hand-written backward (kernel_bwd_BLOCK_M1, ...: Tiles' fields), measured
-by bench/attention_backward.py; flex never sees them."""
-
-
-def kernel_tiles(options: Mapping[str, Any] | None) -> Tiles:
-    """The hand-written backward's tiles from a layer's table options: its own kernel_bwd_* entries,
-    else flex's bwd_* ones (the same tile work), else DEFAULT_TILES."""
+def kernel_tiles(options: Mapping[str, Any] | None) -> tuple[FwdTiles, Tiles]:
+    """dflash's kernels' tiles from a layer's table options: their own kernel_fwd_* / kernel_bwd_*
+    entries, else flex's fwd_* / bwd_* ones (the same tile work), else the defaults."""
     o = options or {}
 
-    def pick(field: str, flex_key: str) -> int:
-        return int(o.get(KERNEL_PREFIX + field, o.get(flex_key, getattr(DEFAULT_TILES, field))))
+    def pick(prefix: str, default: Any, field: str) -> int:
+        return int(
+            o.get(f"{KERNEL_PREFIX}{prefix}_{field}", o.get(f"{prefix}_{field}", getattr(default, field)))
+        )
 
-    return Tiles(**{f: pick(f, "bwd_" + f) for f in Tiles._fields})
-
-
-def _block_mask_of(q: Tensor, k: Tensor, tables: list[Tensor], name: str) -> BlockMask:
-    """The plan's BlockMask again from its tables (a custom op takes tensors, not a BlockMask)."""
-    t = Tables(*tables)
-    return BlockMask(
-        (q.shape[2], k.shape[2]),
-        *t.tile_lists,
-        BLOCK_SIZE=(SPARSE_BLOCK, SPARSE_BLOCK),
-        mask_mod=interval_mask_mod(t.ctx_lo, t.ctx_hi, t.own_lo, t.own_hi, name),
+    return (
+        FwdTiles(**{f: pick("fwd", DEFAULT_FWD_TILES, f) for f in FwdTiles._fields}),
+        Tiles(**{f: pick("bwd", DEFAULT_TILES, f) for f in Tiles._fields}),
     )
 
 
-@torch.library.custom_op("dflash::flex_with_kernel_backward", mutates_args=())
-def flex_with_kernel_backward(
-    q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor], mask_name: str, backend: str, kind: str
+def _split_tiles(tiles: list[int]) -> tuple[FwdTiles, Tiles]:
+    n = len(FwdTiles._fields)
+    return FwdTiles(*tiles[:n]), Tiles(*tiles[n:])
+
+
+@torch.library.custom_op("dflash::attention", mutates_args=())
+def dflash_attention(
+    q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor], tiles: list[int]
 ) -> tuple[Tensor, Tensor]:
-    """flex's forward (compiled with the layer kind's fwd_* options of FlexBackend `backend`)
-    returning (out, natural-log lse); its backward is dflash.attention.flex_backward's kernel
-    (registered below). One op, opaque to the compiled layer around it: the forward compiles on its
-    own, as flex_attention_compiled."""
-    owner = _BACKENDS[backend]
-    fwd_options, _ = owner.op_options(kind, q)
-    flex = flex_attention_compiled if owner.compiled else flex_attention
-    q, k, v = q.detach(), k.detach(), v.detach()  # the op's autograd is registered: flex traces no backward
-    out, aux = flex(
-        q,
-        k,
-        v,
-        block_mask=_block_mask_of(q, k, tables, mask_name),
-        scale=1.0 / math.sqrt(q.shape[-1]),
-        enable_gqa=q.shape[1] != k.shape[1],
-        kernel_options=fwd_options,
-        return_aux=AuxRequest(lse=True),
+    """(out, natural-log lse) of the DFlash attention by dflash.attention.triton_attention's forward;
+    its backward is that module's backward kernel (registered below). tables: the plan's Tables;
+    tiles: FwdTiles' then Tiles' fields. One op, opaque to the compiled layer around it."""
+    fwd, _ = _split_tiles(tiles)
+    return attention_forward(
+        q, k, v, Tables(*tables), scale=1.0 / math.sqrt(q.shape[-1]), sparse=SPARSE_BLOCK, tiles=fwd
     )
-    if out.stride() != q.stride():  # the fake's layout: empty_like(q)
-        out = torch.empty_like(q, dtype=v.dtype).copy_(out)
-    return out, aux.lse.contiguous()
 
 
-@flex_with_kernel_backward.register_fake
-def _(q, k, v, tables, mask_name, backend, kind):  # noqa: ANN001, ANN202
+@dflash_attention.register_fake
+def _(q, k, v, tables, tiles):  # noqa: ANN001, ANN202
     B, H, Q, _ = q.shape
-    return torch.empty_like(q, dtype=v.dtype), q.new_empty((B, H, Q), dtype=torch.float32)
+    return grad_like(q, v.dtype), q.new_empty((B, H, Q), dtype=torch.float32)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, tables, _, backend, kind = inputs
+    q, k, v, tables, tiles = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], *tables)
-    ctx.tiles = _BACKENDS[backend].op_options(kind, q)[1]
+    ctx.tiles = tiles
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, out, lse, *tables = ctx.saved_tensors
-    dq, dk, dv = kernel_backward(grad_out, q, k, v, out, lse, tables, list(ctx.tiles))
-    return dq, dk, dv, [None] * len(tables), None, None, None
+    dq, dk, dv = dflash_attention_backward(grad_out, q, k, v, out, lse, tables, ctx.tiles)
+    return dq, dk, dv, [None] * len(tables), None
 
 
-@torch.library.custom_op("dflash::flex_kernel_backward", mutates_args=())
-def kernel_backward(
+@torch.library.custom_op("dflash::attention_backward", mutates_args=())
+def dflash_attention_backward(
     grad_out: Tensor,
     q: Tensor,
     k: Tensor,
@@ -387,8 +346,8 @@ def kernel_backward(
     tables: list[Tensor],
     tiles: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) by dflash.attention.flex_backward (the log-sum-exp's own gradient is not taken:
-    flex_with_kernel_backward's callers never use the lse)."""
+    """(dq, dk, dv) by dflash.attention.triton_attention's backward (the log-sum-exp's own gradient
+    is not taken: dflash_attention's callers never use the lse)."""
     return attention_backward(
         grad_out,
         q,
@@ -399,13 +358,13 @@ def kernel_backward(
         Tables(*tables),
         scale=1.0 / math.sqrt(q.shape[-1]),
         sparse=SPARSE_BLOCK,
-        tiles=Tiles(*tiles),
+        tiles=_split_tiles(tiles)[1],
     )
 
 
-@kernel_backward.register_fake
+@dflash_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, tables, tiles):  # noqa: ANN001, ANN202
     return grad_like(q), grad_like(k), grad_like(v)
 
 
-flex_with_kernel_backward.register_autograd(_backward, setup_context=_setup)
+dflash_attention.register_autograd(_backward, setup_context=_setup)

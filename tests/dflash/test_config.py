@@ -94,18 +94,20 @@ def test_bf16_weights_resolves_on_for_a_single_gpu_drafter_only(repo):
     assert e.value.key == "train.bf16_weights"
 
 
-def test_flex_backward_is_flex_unless_the_kernel_is_asked_for(repo):
-    """auto: flex's own backward (the kernel's op still syncs once per layer on a GPU); kernel when
-    set; a value that is neither is refused with its key named."""
+def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
+    """auto: dflash's own kernels on a GPU, flex's on the CPU (dflash's run there only through Triton's
+    interpreter); either when set; a value that is neither is refused with its key named."""
     import torch
 
-    from dflash.resolve import resolve_flex_backward
+    from dflash.resolve import resolve_flex_kernels
 
     cfg = load_config(repo / "configs" / "qwen3-8b.toml")
-    assert resolve_flex_backward(cfg, torch.device("cuda")) == "flex"
-    assert resolve_flex_backward(cfg, torch.device("cpu")) == "flex"
-    forced = load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_backward=kernel"])
-    assert resolve_flex_backward(forced, torch.device("cuda")) == "kernel"
+    assert resolve_flex_kernels(cfg, torch.device("cuda")) == "dflash"
+    assert resolve_flex_kernels(cfg, torch.device("cpu")) == "flex"
+    forced = load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_kernels=flex"])
+    assert resolve_flex_kernels(forced, torch.device("cuda")) == "flex"
+    forced = load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_kernels=dflash"])
+    assert resolve_flex_kernels(forced, torch.device("cpu")) == "dflash"
     with pytest.raises(ConfigError) as e:
-        load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_backward=triton"])
-    assert e.value.key == "attention.flex_backward" and "flex, kernel or auto" in str(e.value)
+        load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_kernels=triton"])
+    assert e.value.key == "attention.flex_kernels" and "flex, dflash or auto" in str(e.value)

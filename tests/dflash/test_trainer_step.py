@@ -257,27 +257,13 @@ def test_bf16_weights_train_as_float32_weights_and_resume_exactly(repo):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "flex_backward",
-    [
-        "auto",
-        pytest.param(
-            "kernel",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the kernel backward's op calls flex's compiled forward inside the compiled layer, "
-                "and that call waited for the device once per layer on the H200 (2026-12-03): why the "
-                "kernel is opt-in (dflash/attention/flex_backward.py)",
-            ),
-        ),
-    ],
-)
-def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, flex_backward):
+@pytest.mark.parametrize("flex_kernels", ["dflash", "flex"])
+def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, flex_kernels):
     """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
     is queued without one device sync: CUDA's sync debug mode reports each, with where it came from.
     The metrics are read once, afterwards, and match a plain train_step's kind of result."""
     dev = torch.device("cuda")
-    trainer, spec = _trainer(repo, dev, torch.bfloat16, f"attention.flex_backward={flex_backward}")
+    trainer, spec = _trainer(repo, dev, torch.bfloat16, f"attention.flex_kernels={flex_kernels}")
     assert trainer.fused_loss and trainer.optimizer.defaults["fused"]
     B, S = 2, 512
     (batch,) = _batches(spec, 1, torch.bfloat16, B, S)  # on the host, as pad_batch hands them

@@ -1,36 +1,38 @@
-"""The DFlash attention's backward as one hand-written Triton kernel, its programs run longest first.
+"""The DFlash attention as hand-written Triton kernels (forward and backward), their programs run
+longest first.
 
-Why: flex's backward kernel (one launch: a dK/dV program per key tile, a dQ program per query tile
-and head) is launched on the grid (tiles, batch, kv head), and the GPU starts programs in grid
-order. On the DFlash mask the work per program is very uneven: a context key tile near position 0
-is seen by every block anchored after it (on the 8B step, 64 query tiles x 4 heads x 2 = 512
-iterations), a block's own key tile by one query tile (8 iterations). The last (batch, kv head)'s
-longest programs then start when most of the launch is done and run alone at its end: a list
-schedule of the 8B step's full layer in grid order finishes 16% after the ideal, 10% on the sliding
-layers (one program per SM), where longest-first (LPT) finishes within 0.2%.
+Why: flex's kernels are launched on the grid (tiles, batch, head), and the GPU starts programs in
+grid order. On the DFlash mask the work per program is very uneven: in the backward a context key
+tile near position 0 is seen by every block anchored after it (on the 8B step, 64 query tiles x 4
+heads x 2 = 512 iterations), a block's own key tile by one query tile (8 iterations); in the
+forward a query tile of late anchors reads the whole context, one of early anchors a few tiles. The
+last (batch, head)'s longest programs then start when most of the launch is done and run alone at
+its end: a list schedule of the 8B step's backward in grid order finishes 16% (full layer) / 10%
+(sliding) after the ideal (one program per SM), longest-first (LPT) within 0.2%.
 
-This kernel does the same work as flex's (the same block-sparse tiles from the plan's BlockMask,
-the same arithmetic per tile to a rounding: scores in float32, p = exp2(qk * scale * log2 e - lse2),
-ds = p * (dp - delta), p and ds rounded to the inputs' dtype for their products) but reads its
-programs from a schedule:
-every program's (kind, batch, head, tile), ordered by the tiles it will visit, most first. The
-forward stays flex's; its log-sum-exp (natural log, as flex returns it) is the one input the
+These kernels do the same work as flex's (the same block-sparse tiles from the plan's BlockMask,
+the same arithmetic per tile to a rounding: scores in float32 and base 2, an online softmax in the
+forward, p = exp2(qk * scale * log2 e - lse2) and ds = p * (dp - delta) in the backward, p and ds
+rounded to the inputs' dtype for their products) but read their programs from a schedule: every
+program's (kind, batch, head, tile), ordered by the tiles it will visit, most first. The forward
+returns the output and its natural-log log-sum-exp (as flex's return_aux does), the one thing the
 backward needs from it besides the output.
 
 Masking: a tile listed as full is computed unmasked; a partial one through the per-row intervals
 of dflash.attention.flex.block_mask_and_tables (context [lo, hi) and own block [own_lo, own_hi)), the
-pairs that mask allows, no others.
+pairs that mask allows, no others. A row that allows no key gets output 0 and lse -inf (flex's
+convention).
 
-On the CPU the job never calls this; the tests run it through Triton's interpreter
+dQ in the backward: either dQ programs of their own (per query tile and head, recomputing the
+scores and dp: 3 products per tile step) or, with Tiles.ATOMIC_DQ, added by the dK/dV programs
+into a float32 buffer with atomics (1 product instead of 3, at the cost of the atomic traffic);
+bench/attention_backward.py measures both.
+
+On the CPU the job never calls these; the tests run them through Triton's interpreter
 (dflash.triton_jit) against float64 autograd of the dense-mask reference.
 
-Status (H200, 2026-12-03, docs/BENCHMARKS.md): at 64 x 64 tiles with 4 warps this backward takes
-4.46-4.52 ms on the 8B step's full layer against flex's 5.04-5.08 and 3.65-3.77 ms on a sliding one
-against 3.94-3.99, gradients within 1.5e-4 of flex's. It is opt-in (attention.flex_backward = kernel):
-the op that carries it (dflash.attention.flex.flex_with_kernel_backward) calls flex's compiled forward
-from inside the compiled layer, and that call waits for the device once per layer, which the job's
-step must not (tests/dflash/test_trainer_step.py's sync test). Where the wait comes from is not found
-yet; a forward of our own in the op, no nested compile, is the way to remove it.
+Status (H200, docs/BENCHMARKS.md): the backward at 64 x 64 tiles with 4 warps took 4.46-4.52 ms on
+the 8B step's full layer against flex's 5.04-5.08, 3.65-3.77 ms on a sliding one against 3.94-3.99.
 """
 
 from __future__ import annotations
@@ -53,10 +55,30 @@ class Tiles(NamedTuple):
     BLOCK_N2: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    ATOMIC_DQ: int = 0
+    """1: dQ added by the dK/dV programs (float32 atomics), no dQ programs."""
 
     def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
-        return -(-kv_len // self.BLOCK_N1), -(-q_len // self.BLOCK_M2)
+        return -(-kv_len // self.BLOCK_N1), (0 if self.ATOMIC_DQ else -(-q_len // self.BLOCK_M2))
+
+
+class FwdTiles(NamedTuple):
+    """The forward's tiles: a program holds BLOCK_M query rows of one head and steps over BLOCK_N
+    keys. Each divides the sparse block."""
+
+    BLOCK_M: int = 64
+    BLOCK_N: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def programs(self, q_len: int) -> int:
+        """Query tiles per head: the forward's programs per (batch, head)."""
+        return -(-q_len // self.BLOCK_M)
+
+
+DEFAULT_FWD_TILES = FwdTiles()
+"""flex's tuned forward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
 
 
 DEFAULT_TILES = Tiles()
@@ -123,8 +145,78 @@ def _kernels() -> Any:
         )
 
     @triton.jit
+    def dflash_attention_forward(
+        Q, K, V, OUT, LSE, SCHED,
+        KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, CTX_LO, CTX_HI, OWN_LO, OWN_HI,
+        sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, so_z, so_h, so_m,
+        s_kvnum_z, s_kvidx_z, s_kvidx_m, s_ctx_z,
+        HQ, Q_LEN, KV_LEN, M_TILES, QK_SCALE,
+        D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """out and natural-log lse of BLOCK_M rows of query head h: an online softmax over the
+        row tile's partial sparse blocks (masked), then its full ones."""
+        LN2: tl.constexpr = 0.6931471805599453
+        MULT: tl.constexpr = SPARSE // BLOCK_N
+        e = tl.load(SCHED + tl.program_id(0))
+        z = e // (HQ * M_TILES)
+        h = (e // M_TILES) % HQ
+        start_m = (e % M_TILES) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        m_ok = offs_m < Q_LEN
+        q_ptrs = Q + z.to(tl.int64) * sq_z + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_m + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+        lo = tl.load(CTX_LO + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+        hi = tl.load(CTX_HI + z * s_ctx_z + offs_m, mask=m_ok, other=0)
+        olo = tl.load(OWN_LO + offs_m, mask=m_ok, other=0)
+        ohi = tl.load(OWN_HI + offs_m, mask=m_ok, other=0)
+        g = h // GQA
+        k_ptr = K + z.to(tl.int64) * sk_z + g.to(tl.int64) * sk_h
+        v_ptr = V + z.to(tl.int64) * sv_z + g.to(tl.int64) * sv_h
+        mb = start_m // SPARSE
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for part in tl.static_range(2):
+            if part == 0:
+                num = tl.load(KV_NUM + z * s_kvnum_z + mb)
+                idx_ptr = KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
+            else:
+                num = tl.load(FULL_KV_NUM + z * s_kvnum_z + mb)
+                idx_ptr = FULL_KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
+            for it in range(0, num * MULT):
+                blk = tl.load(idx_ptr + it // MULT)
+                offs_n = blk * SPARSE + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < KV_LEN
+                kT = tl.load(k_ptr + offs_n[None, :] * sk_n + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+                v = tl.load(v_ptr + offs_n[:, None] * sv_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(q, kT) * QK_SCALE
+                if part == 0:
+                    keys = offs_n[None, :]
+                    ok = ((keys >= lo[:, None]) & (keys < hi[:, None])) | (
+                        (keys >= olo[:, None]) & (keys < ohi[:, None])
+                    )
+                    s = tl.where(ok, s, -float("inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # no key yet: nothing to subtract
+                alpha = tl.math.exp2(m_i - m_use)
+                p = tl.math.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        o_ptrs = (
+            OUT + z.to(tl.int64) * so_z + h.to(tl.int64) * so_h + offs_m[:, None] * so_m + offs_d[None, :]
+        )
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
+        lse = tl.where(empty, -float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+        tl.store(LSE + (z * HQ + h).to(tl.int64) * Q_LEN + offs_m, lse, mask=m_ok)
+
+    @triton.jit
     def dflash_attention_backward(
-        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED,
+        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED, DQ_ACC,
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
         CTX_LO, CTX_HI, OWN_LO, OWN_HI,
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
@@ -133,6 +225,7 @@ def _kernels() -> Any:
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+        ATOMIC_DQ: tl.constexpr,
     ):  # fmt: skip
         RCP_LN2: tl.constexpr = 1.44269504
         MULT1: tl.constexpr = SPARSE // BLOCK_M1
@@ -199,6 +292,11 @@ def _kernels() -> Any:
                         dpT = tl.dot(v, tl.trans(do))
                         dsT = pT * (dpT - di[None, :])
                         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+                        if ATOMIC_DQ:
+                            # dQ of these rows from this key tile, added in float32 ([B, HQ, Q_LEN, D]).
+                            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * SM_SCALE
+                            dq_ptrs = DQ_ACC + row0 * D + offs_m[:, None] * D + offs_d[None, :]
+                            tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
             dv_ptrs = (
                 DV
                 + z.to(tl.int64) * sdv_z
@@ -285,7 +383,7 @@ def _kernels() -> Any:
             )
             tl.store(dq_ptrs, (dq * SM_SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
-    return dflash_attention_delta, dflash_attention_backward
+    return dflash_attention_delta, dflash_attention_backward, dflash_attention_forward
 
 
 ORDERS = ("longest_first", "grid")
@@ -331,11 +429,11 @@ def schedule(
     return torch.argsort(work, descending=True, stable=True).to(torch.int32)
 
 
-def grad_like(x: Tensor) -> Tensor:
-    """An uninitialised gradient for x in x's layout (dimension order by stride, unit stride along
-    D: what the kernel stores through)."""
-    g = torch.empty_like(x, memory_format=torch.preserve_format)
-    return g if g.stride(-1) == 1 else torch.empty_like(x, memory_format=torch.contiguous_format)
+def grad_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised gradient (or output) for x in x's layout (dimension order by stride, unit
+    stride along D: what the kernels store through)."""
+    g = torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format)
+    return g if g.stride(-1) == 1 else torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def attention_backward(
@@ -355,7 +453,7 @@ def attention_backward(
     """(dq, dk, dv) of softmax(q k^T * scale, masked by the plan) v, given the forward's output and
     its natural-log log-sum-exp [B, heads, q_len]. q/grad_out/out: [B, heads, q_len, D]; k, v:
     [B, kv_heads, kv_len, D]; any strides with unit stride along D."""
-    delta_rows, backward = _kernels()  # named so that profiles count them as attention
+    delta_rows, backward, _ = _kernels()  # named so that profiles count them as attention
     B, HQ, QL, D = q.shape
     HKV, KL = k.shape[1], k.shape[2]
     q, k, v, grad_out, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad_out, out))
@@ -367,6 +465,7 @@ def attention_backward(
     # Each gradient in its input's layout (as flex's backward writes them): the layer's backward
     # then reads them without a transposing copy.
     dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
+    dq_acc = torch.zeros(B, HQ, QL, D, dtype=torch.float32, device=q.device) if tiles.ATOMIC_DQ else dq
     sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
     n1, m2 = tiles.programs(QL, KL)
     t = tables
@@ -381,6 +480,7 @@ def attention_backward(
         lse,
         delta,
         sched,
+        dq_acc,
         *t,  # the kernel's table arguments are Tables' fields, in order
         *q.stride()[:3],
         *k.stride()[:3],
@@ -412,7 +512,89 @@ def attention_backward(
         BLOCK_N1=tiles.BLOCK_N1,
         BLOCK_M2=tiles.BLOCK_M2,
         BLOCK_N2=tiles.BLOCK_N2,
+        ATOMIC_DQ=bool(tiles.ATOMIC_DQ),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if tiles.ATOMIC_DQ:
+        dq.copy_(dq_acc)
     return dq, dk, dv
+
+
+def forward_schedule(
+    tables: Tables, heads: int, q_len: int, sparse: int, tiles: FwdTiles, order: str = "longest_first"
+) -> Tensor:
+    """The forward's programs (batch, head, query tile), numbered in that order from 0, most key
+    tiles first (a stable sort: ties keep the numbering); order="grid": that numbering."""
+    B = tables.kv_num.shape[0]
+    m = tiles.programs(q_len)
+    dev = tables.kv_num.device
+    if order == "grid":
+        return torch.arange(B * heads * m, device=dev, dtype=torch.int32)
+    if order != "longest_first":
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
+    work_BM = kv_steps_BM[:, torch.arange(m, device=dev) * tiles.BLOCK_M // sparse] + 1  # + its fixed cost
+    work = work_BM[:, None, :].expand(B, heads, m).reshape(-1)
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: Tables,
+    *,
+    scale: float,
+    sparse: int,
+    tiles: FwdTiles = DEFAULT_FWD_TILES,
+    order: str = "longest_first",
+) -> tuple[Tensor, Tensor]:
+    """(out, natural-log lse [B, heads, q_len] float32) of softmax(q k^T * scale, masked by the plan)
+    v; out in q's layout. q: [B, heads, q_len, D]; k, v: [B, kv_heads, kv_len, D]; any strides with
+    unit stride along D."""
+    _, _, forward = _kernels()
+    B, HQ, QL, D = q.shape
+    HKV, KL = k.shape[1], k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = grad_like(q, v.dtype)
+    lse = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
+    sched = forward_schedule(tables, HQ, QL, sparse, tiles, order)
+    t = tables
+    forward[(sched.numel(),)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        sched,
+        t.kv_num,
+        t.kv_idx,
+        t.full_kv_num,
+        t.full_kv_idx,
+        t.ctx_lo,
+        t.ctx_hi,
+        t.own_lo,
+        t.own_hi,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        t.kv_num.stride(0),
+        t.kv_idx.stride(0),
+        t.kv_idx.stride(2),
+        t.ctx_lo.stride(0),
+        HQ,
+        QL,
+        KL,
+        tiles.programs(QL),
+        scale * LOG2_E,
+        D=D,
+        GQA=HQ // HKV,
+        SPARSE=sparse,
+        BLOCK_M=tiles.BLOCK_M,
+        BLOCK_N=tiles.BLOCK_N,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out, lse

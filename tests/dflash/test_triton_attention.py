@@ -1,7 +1,7 @@
-"""The hand-written DFlash attention backward (dflash.attention.flex_backward): on the CPU through
+"""The hand-written DFlash attention kernels (dflash.attention.triton_attention): on the CPU through
 Triton's interpreter against float64 autograd of the dense-mask attention, alone and as the flex
-backend's backward (eager and inside a compiled region, as the trainer's layers call it); on the GPU
-against flex's own backward at the 8B head sizes.
+backend's kernels (eager and inside a compiled region, as the trainer's layers call them); on the GPU
+against flex's own kernels at the 8B head sizes.
 
 The check_* functions run in a process of their own with the interpreter on
 (tests/interpreter_helpers.py says why)."""
@@ -16,8 +16,17 @@ import torch._dynamo
 from interpreter_helpers import main, run_interpreted
 
 from dflash.attention.flex import FlexBackend, block_mask_and_tables
-from dflash.attention.flex_backward import DEFAULT_TILES, Tiles, attention_backward, schedule
 from dflash.attention.mask import dense_mask
+from dflash.attention.triton_attention import (
+    DEFAULT_FWD_TILES,
+    DEFAULT_TILES,
+    FwdTiles,
+    Tiles,
+    attention_backward,
+    attention_forward,
+    forward_schedule,
+    schedule,
+)
 
 S, K, H, G, D = 600, 4, 4, 2, 16
 A = 90  # 360 query rows: two whole sparse blocks of 128 and a part of one; 960 keys: eight blocks
@@ -97,6 +106,58 @@ def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles)
         assert rel(x, r) < 2e-6, f"{name} {window} {causal} {tiles}: relative error {rel(x, r):.2e}"
 
 
+def check_forward_matches_float64(window: int | None, causal: bool, tiles: FwdTiles) -> None:
+    """out and the natural-log lse against the float64 dense-mask attention; q in the layer's
+    layout, its output in that layout too."""
+    anchors, lens = anchors_and_lens()
+    q, k, v, grad_out = inputs()
+    kw = dict(context_len=S, block_size=K, window=window, causal_block=causal)
+    _, tables = block_mask_and_tables(anchors, lens, **kw)
+    ref_out, ref_lse, _ = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = attention_forward(q_strided, k, v, tables, scale=D**-0.5, sparse=128, tiles=tiles)
+    assert out.stride() == q_strided.stride() and lse.shape == ref_lse.shape
+    assert rel(out, ref_out) < 2e-6, f"out {window} {causal} {tiles}: {rel(out, ref_out):.2e}"
+    assert rel(lse, ref_lse) < 2e-6, f"lse {window} {causal} {tiles}: {rel(lse, ref_lse):.2e}"
+
+
+def check_a_row_without_keys_gives_zero_and_minus_inf() -> None:
+    """flex's convention for a row whose mask allows nothing: output 0, lse -inf, no NaN anywhere,
+    and no gradient into it. The DFlash mask always allows a row its own position, so the row is
+    made empty in the tables (its tile is one the kernels mask, so the intervals decide)."""
+    anchors, lens = anchors_and_lens()
+    q, k, v, grad_out = inputs()
+    _, tables = block_mask_and_tables(
+        anchors, lens, context_len=S, block_size=K, window=None, causal_block=False
+    )
+    row = 5
+    assert int(tables.full_kv_num[0, 0, 0]) == 0  # the row's tile is only ever masked: the intervals decide
+    tables.ctx_hi[0, row] = tables.ctx_lo[0, row]
+    tables.own_hi[row] = tables.own_lo[row]  # the own-block table is shared by the batch
+    out, lse = attention_forward(q, k, v, tables, scale=D**-0.5, sparse=128)
+    assert torch.equal(out[0, :, row], torch.zeros_like(out[0, :, row]))
+    assert bool((lse[0, :, row] == float("-inf")).all())
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse[1]).all())
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, tables, scale=D**-0.5, sparse=128)
+    assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
+    assert torch.equal(dq[0, :, row], torch.zeros_like(dq[0, :, row]))
+
+
+def check_forward_schedule_is_every_program_once_longest_first() -> None:
+    anchors, lens = anchors_and_lens()
+    _, tables = block_mask_and_tables(
+        anchors, lens, context_len=S, block_size=K, window=200, causal_block=False
+    )
+    tiles = FwdTiles(BLOCK_M=64, BLOCK_N=32)
+    sched = forward_schedule(tables, H, A * K, 128, tiles)
+    m = math.ceil(A * K / 64)
+    assert sorted(sched.tolist()) == list(range(2 * H * m))
+    kv_steps = (tables.kv_num + tables.full_kv_num)[:, 0].tolist()
+    works = [kv_steps[e // (H * m)][(e % m) * 64 // 128] for e in sched.tolist()]
+    assert works == sorted(works, reverse=True) and works[0] > works[-1]
+    assert forward_schedule(tables, H, A * K, 128, tiles, order="grid").tolist() == list(range(2 * H * m))
+
+
 def check_schedule_is_every_program_once_longest_first() -> None:
     anchors, lens = anchors_and_lens()
     _, tables = block_mask_and_tables(
@@ -122,15 +183,17 @@ def check_schedule_is_every_program_once_longest_first() -> None:
 
     works = [work(e) for e in sched.tolist()]
     assert works == sorted(works, reverse=True) and works[0] > works[-1]
+    # With dQ by atomics there are no dQ programs: the dK/dV ones only, in the same order.
+    atomic = schedule(tables, H, G, A * K, S + A * K, 128, tiles._replace(ATOMIC_DQ=1))
+    assert atomic.tolist() == [e for e in sched.tolist() if e < n_dkv]
 
 
-def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
-    """FlexBackend(backward="kernel"): flex's forward, the kernel's backward, against float64
-    autograd: eagerly, and inside a compiled region as the trainer's layers call it (flex itself
-    uncompiled here: compiled on the CPU it cannot return the log-sum-exp; the GPU test compiles it)."""
+def check_backend_is_the_kernels(compiled_region: bool) -> None:
+    """FlexBackend(kernels="dflash"): dflash's forward and backward, against float64 autograd:
+    eagerly, and inside a compiled region as the trainer's layers call them."""
     anchors, lens = anchors_and_lens(seed=1)
     q, k, v, grad_out = inputs(seed=1)
-    backend = FlexBackend(compile=False, backward="kernel")  # flex compiled on the CPU returns no lse
+    backend = FlexBackend(compile=False, kernels="dflash")
     plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[200], sliding_causal=True)[
         200
     ]
@@ -149,15 +212,17 @@ def check_backend_backward_is_the_kernel(compiled_region: bool) -> None:
         ("dq", "dk", "dv"), (2 * ref[0], ref[1], ref[2]), (qq.grad, kk.grad, vv.grad), strict=True
     ):
         assert x is not None and rel(x, r) < 2e-6, f"{name}: relative error {rel(x, r):.2e}"
+    with torch.no_grad():  # no autograd: the same op, the same output
+        assert rel(fn(q, k, v), ref_out) < 2e-6
 
 
-def test_the_op_keeps_a_compiled_layer_one_graph():
-    """The kernel backward's op inside a compiled region: no graph break (a break splits the
-    trainer's compiled layer and runs the casts around the op eagerly; measured on the H200 before
-    this test: 4.4 ms of copies per 8B step)."""
+def check_the_op_keeps_a_compiled_layer_one_graph() -> None:
+    """dflash's op inside a compiled region: no graph break (a break splits the trainer's compiled
+    layer and runs the casts around the op eagerly; measured on the H200 before this test: 4.4 ms of
+    copies per 8B step)."""
     anchors, lens = anchors_and_lens(seed=1)
     q, k, v, _ = inputs(seed=1)
-    backend = FlexBackend(compile=False, backward="kernel")
+    backend = FlexBackend(compile=False, kernels="dflash")
     plan = backend.prepare(anchors, lens, context_len=S, block_size=K, windows=[None])[None]
 
     def layer(q, k, v):  # noqa: ANN001, ANN202
@@ -167,10 +232,6 @@ def test_the_op_keeps_a_compiled_layer_one_graph():
     explained = torch._dynamo.explain(layer)(qq, kk, vv)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
-    # The op names its backend by settings, not by creation order: a compiled graph holds the key as
-    # a constant, and the compile cache must hit in a process that made its backends differently.
-    assert FlexBackend(compile=False, backward="kernel").key == backend.key
-    assert FlexBackend(compile=False, tuned=False, backward="kernel").key != backend.key
 
 
 CHECKS = {
@@ -183,17 +244,31 @@ CHECKS = {
         None, False, Tiles(BLOCK_M1=16, BLOCK_N1=128, BLOCK_M2=32, BLOCK_N2=128)
     ),
     "schedule": check_schedule_is_every_program_once_longest_first,
-    "backend, eager": lambda: check_backend_backward_is_the_kernel(False),
-    "backend, compiled region": lambda: check_backend_backward_is_the_kernel(True),
+    "dq by atomics, full": lambda: check_kernel_matches_float64(
+        None, False, DEFAULT_TILES._replace(ATOMIC_DQ=1)
+    ),
+    "dq by atomics, sliding causal": lambda: check_kernel_matches_float64(
+        200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=1)
+    ),
+    "forward, full": lambda: check_forward_matches_float64(None, False, DEFAULT_FWD_TILES),
+    "forward, sliding": lambda: check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=128, BLOCK_N=32)),
+    "forward, sliding causal": lambda: check_forward_matches_float64(
+        200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128)
+    ),
+    "row without keys": check_a_row_without_keys_gives_zero_and_minus_inf,
+    "forward schedule": check_forward_schedule_is_every_program_once_longest_first,
+    "backend, eager": lambda: check_backend_is_the_kernels(False),
+    "backend, compiled region": lambda: check_backend_is_the_kernels(True),
+    "one graph": check_the_op_keeps_a_compiled_layer_one_graph,
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 2048])
-def test_kernel_backward_matches_flex_backward_on_gpu(window):
+def test_dflash_kernels_match_flex_on_gpu(window):
     """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
-    with 512 anchors: the kernel's dq, dk, dv against flex's own backward, both from the same
-    compiled flex forward, and both against float32 math of the dense mask on a slice."""
+    with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and dQ by atomics) against flex's
+    own compiled kernels."""
     torch.manual_seed(0)
     ctx, block, num = 4096, 16, 512
     anchors = torch.stack([torch.sort(torch.randperm(ctx - 1)[:num] + 1).values for _ in range(2)])
@@ -203,19 +278,23 @@ def test_kernel_backward_matches_flex_backward_on_gpu(window):
     k = torch.randn(2, 8, ctx + num * block, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    grads = []
-    for bwd in ("flex", "kernel"):
-        backend = FlexBackend(backward=bwd)
+    atomic = {"full" if window is None else "sliding": {"kernel_bwd_ATOMIC_DQ": 1}}
+    results = []
+    for backend in (
+        FlexBackend(),
+        FlexBackend(kernels="dflash"),
+        FlexBackend(kernels="dflash", kernel_options=atomic),
+    ):
         plan = backend.prepare(
             anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window]
         )
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out = backend.attend(qq, kk, vv, plan[window])
         out.backward(grad_out)
-        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
-    for name, f, kern in zip(("out", "dq", "dk", "dv"), *grads, strict=True):
-        assert rel(kern, f) < 5e-3, f"{name}: kernel vs flex relative error {rel(kern, f):.2e}"
-    assert torch.equal(grads[0][0], grads[1][0]), "the forward is flex's in both"
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for mine in results[1:]:
+        for name, f, x in zip(("out", "dq", "dk", "dv"), results[0], mine, strict=True):
+            assert rel(x, f) < 5e-3, f"{name}: dflash vs flex relative error {rel(x, f):.2e}"
 
 
 if __name__ == "__main__":
