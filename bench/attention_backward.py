@@ -1,16 +1,18 @@
-"""The DFlash attention's backward: flex's own kernel against dflash.attention.triton_attention's, on the
-drafter step's shape, through the job's FlexBackend (its tuned forward either way).
+"""The DFlash attention's kernels: flex's own against dflash.attention.triton_attention's, on the
+drafter step's shape, through the job's FlexBackend, then dflash's forward and backward alone for
+each tile candidate.
 
 H200 (2 x 4096 context, 512 anchors x 16, 32/8 heads, head dim 128, bf16; full and sliding 2048):
     python bench/attention_backward.py --out $OUT/attention_backward.json
 CPU smoke run (tiny, through Triton's interpreter; checks the mechanics, not the numbers):
     TRITON_INTERPRET=1 python bench/attention_backward.py --tiny --out /tmp/attention_backward.json
 
-Per layer kind: flex forward, flex forward + backward (its backward = the difference), the same with
-backward="kernel" (the job's path: delta, schedule and kernel), then the kernel's backward alone for
-each tile candidate in both launch orders (longest first, the job's; flex's grid order, to show
+Per layer kind: forward, forward + backward (the backward = the difference) with flex's kernels and
+with dflash's (kernels="dflash": the job's path, one op), then dflash's forward alone for each
+forward tile candidate and its backward alone for each backward candidate (dQ programs or dQ by
+atomics), the first of each in both launch orders (longest first, the job's; grid order, to show
 what the order alone is worth). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
-forward, 2.5x that backward (bench/attention.py's convention). Numerics: the kernel's dq, dk, dv
+forward, 2.5x that backward (bench/attention.py's convention). Numerics: dflash's out, dq, dk, dv
 against flex's (relative error of each).
 """
 
@@ -27,7 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 from flex_tune import make_inputs, rel_err  # noqa: E402  (the same inputs as flex_tune's)
 
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); the first is flex's tuned backward.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is flex's tuned forward.
+FWD_CANDIDATES = [
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 128, 4, 2),
+    (128, 32, 4, 3),
+]
+
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, ATOMIC_DQ]); the first is flex's
+# tuned backward.
 CANDIDATES = [
     (64, 128, 128, 64, 8, 2),
     (64, 128, 128, 64, 8, 3),
@@ -49,12 +63,19 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         default="",
-        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages;...' (the first is also timed in grid order)",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,atomic_dq];...' (the first is also "
+        "timed in grid order)",
+    )
+    ap.add_argument(
+        "--fwd-tiles",
+        default="",
+        help="forward candidates instead of FWD_CANDIDATES: 'M,N,warps,stages;...'",
     )
     ap.add_argument(
         "--write-table",
         default="",
-        help="merge each layer kind's fastest tiles (longest first) into this table as kernel_bwd_* options "
+        help="merge each layer kind's fastest tiles (longest first) into this table as kernel_fwd_* and "
+        "kernel_bwd_* options "
         "(dflash/attention/flex_tuned.json is the job's)",
     )
     ap.add_argument("--tiny", action="store_true")
@@ -63,8 +84,8 @@ def main() -> None:
     import torch
 
     from dflash.attention.flex import FlexBackend
-    from dflash.attention.triton_attention import Tiles, attention_backward
     from dflash.attention.mask import allowed_pairs
+    from dflash.attention.triton_attention import FwdTiles, Tiles, attention_backward, attention_forward
 
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
@@ -74,8 +95,12 @@ def main() -> None:
     cand = [CANDIDATES[int(i)] for i in args.candidates.split(",")] if args.candidates else CANDIDATES
     if args.tiles:
         cand = [tuple(int(x) for x in c.split(",")) for c in args.tiles.split(";")]
+    fwd_cand = FWD_CANDIDATES
+    if args.fwd_tiles:
+        fwd_cand = [tuple(int(x) for x in c.split(",")) for c in args.fwd_tiles.split(";")]
     if tiny:
-        cand = [(32, 64, 64, 32, 4, 1)]
+        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 1)]
+        fwd_cand = [(32, 64, 4, 1)]
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D
     )
@@ -89,10 +114,10 @@ def main() -> None:
         fwd_flop = 4 * D * H * pairs
         row: dict[str, Any] = {"window": wname, "fwd_tflop": fwd_flop / 1e12}
         results = {}
-        for bwd in ("flex", "kernel"):
+        for bwd in ("flex", "dflash"):
             if tiny and bwd == "flex":
                 continue  # flex has no CPU backward
-            backend = FlexBackend(backward=bwd, compile=not tiny)
+            backend = FlexBackend(kernels=bwd, compile=not tiny)
             plan = backend.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[window])[window]
             qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
@@ -110,7 +135,8 @@ def main() -> None:
             fwd_bwd()
             f_ms, fb_ms = bench_ms(fwd, device, reps), bench_ms(fwd_bwd, device, reps)
             fwd_bwd()
-            results[bwd] = (qq.grad.clone(), kk.grad.clone(), vv.grad.clone())
+            with torch.no_grad():
+                results[bwd] = (fwd(), qq.grad.clone(), kk.grad.clone(), vv.grad.clone())
             row[bwd] = {
                 "fwd_ms": f_ms,
                 "fwd_bwd_ms": fb_ms,
@@ -123,21 +149,40 @@ def main() -> None:
                 f"TFLOP/s), bwd {fb_ms - f_ms:.3f} ms",
                 flush=True,
             )
-            if bwd == "kernel":
-                kernel_plan, kernel_backend = plan, backend
+            if bwd == "dflash":
+                kernel_plan = plan
         if "flex" in results:
             row["kernel_vs_flex_rel_err"] = {
                 n: rel_err(a, b)
-                for n, a, b in zip(("dq", "dk", "dv"), results["kernel"], results["flex"], strict=True)
+                for n, a, b in zip(("out", "dq", "dk", "dv"), results["dflash"], results["flex"], strict=True)
             }
-            print(f"{wname} kernel vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
-        # The kernel's backward alone: the forward's output and lse once, then each candidate.
-        from dflash.attention.flex import flex_with_kernel_backward
+            print(f"{wname} dflash vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
+        # dflash's forward alone, each forward candidate; its output and lse feed the backward's.
+        row["fwd_candidates"] = []
+        for c in fwd_cand:
+            ftiles = FwdTiles(*c)
+            for order in ("longest_first", "grid") if c == fwd_cand[0] else ("longest_first",):
 
+                def fwd_only(
+                    ftiles: FwdTiles = ftiles, order: str = order, t: Any = kernel_plan.tables
+                ) -> Any:
+                    return attention_forward(q, k, v, t, scale=D**-0.5, sparse=128, tiles=ftiles, order=order)
+
+                entry = {"tiles": ftiles._asdict(), "order": order}
+                try:
+                    fwd_only()
+                    ms = bench_ms(fwd_only, device, reps)
+                    entry.update(fwd_ms=ms, fwd_tflops=fwd_flop / ms / 1e9)
+                    print(
+                        f"{wname} forward {c} {order}: {ms:.3f} ms ({entry['fwd_tflops']:.0f} TFLOP/s)",
+                        flush=True,
+                    )
+                except Exception as e:  # a tile that does not fit (shared memory, registers)
+                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"{wname} forward {c} {order}: {entry['error']}", flush=True)
+                row["fwd_candidates"].append(entry)
         with torch.no_grad():
-            out, lse = flex_with_kernel_backward(
-                q, k, v, list(kernel_plan.tables), kernel_plan.mask_name, kernel_backend.key, kernel_plan.kind
-            )
+            out, lse = attention_forward(q, k, v, kernel_plan.tables, scale=D**-0.5, sparse=128)
         row["candidates"] = []
         for c in cand:
             tiles = Tiles(*c)
@@ -186,8 +231,9 @@ def main() -> None:
 
 
 def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
-    """Each layer kind's fastest candidate (longest-first order) as kernel_bwd_* options of that
-    kind's entry in dflash.attention.flex's table (its flex options and other entries kept)."""
+    """Each layer kind's fastest candidates (longest-first order) as kernel_fwd_* and kernel_bwd_*
+    options of that kind's entry in dflash.attention.flex's table (its flex options and other
+    entries kept)."""
     import json
 
     from dflash.attention.flex import KERNEL_PREFIX, layer_kind
@@ -199,9 +245,11 @@ def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
         table = {"entries": []}
     for row in report["layers"]:
         timed = [c for c in row["candidates"] if c["order"] == "longest_first" and "bwd_ms" in c]
-        if not timed:
+        fwd_timed = [c for c in row["fwd_candidates"] if c["order"] == "longest_first" and "fwd_ms" in c]
+        if not timed or not fwd_timed:
             continue
         best = min(timed, key=lambda c: c["bwd_ms"])
+        best_fwd = min(fwd_timed, key=lambda c: c["fwd_ms"])
         kind = layer_kind(None if row["window"] == "full" else int(row["window"]))
         key = (report["capability"], head_dim, kind)
         entry = next(
@@ -211,12 +259,19 @@ def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
             entry = {"capability": report["capability"], "head_dim": head_dim, "kind": kind, "options": {}}
             table["entries"].append(entry)
         opts = {k: v for k, v in entry["options"].items() if not k.startswith(KERNEL_PREFIX)}
-        entry["options"] = {**opts, **{KERNEL_PREFIX + k: v for k, v in best["tiles"].items()}}
+        entry["options"] = {
+            **opts,
+            **{f"{KERNEL_PREFIX}fwd_{k}": v for k, v in best_fwd["tiles"].items()},
+            **{f"{KERNEL_PREFIX}bwd_{k}": v for k, v in best["tiles"].items()},
+        }
         entry["kernel_measured"] = {
             "device": report["device"],
             "torch": report["torch"],
             "date": report["date"],
             "command": report["command"],
+            "fwd_ms": round(best_fwd["fwd_ms"], 3),
+            "fwd_tflops": round(best_fwd["fwd_tflops"], 1),
+            "flex_fwd_ms": round(row["flex"]["fwd_ms"], 3) if "flex" in row else None,
             "bwd_ms": round(best["bwd_ms"], 3),
             "bwd_tflops": round(best["bwd_tflops"], 1),
             "flex_bwd_ms": round(row["flex"]["bwd_ms"], 3) if "flex" in row else None,
