@@ -24,9 +24,9 @@ graph of its own code where it is compiled (its row count is dynamic); on a GPU 
 its own runs it instead (dflash.loss_kernel: no dynamo graph, its binary in the triton cache). The two norms outside the
 layers (the context's and the final one, compiled with the layers on a GPU) have dynamic row counts
 too: one code, a graph per input dtype, at most
-OUTER_NORM_GRAPHS. With the hand-written attention backward (attention.flex_kernels), flex's forward
-runs inside an op of its own and compiles as a code of its own: a graph per (bucket, layer type),
-never more than the layers' count. The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
+OUTER_NORM_GRAPHS. With dflash's own attention kernels (attention.flex_kernels, a GPU's default) the
+attention is one custom op inside the layer's graph: no graph of its own (its Triton kernels are
+compiled per tile shape into the triton cache, as the loss kernel's). The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
 dflash.kernels reports as a degraded kernel (and strict mode refuses).
 """
 

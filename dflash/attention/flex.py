@@ -61,7 +61,7 @@ def block_mask_and_tables(
     causal_block: bool,
 ) -> tuple[BlockMask, Tables]:
     """The DFlash mask's BlockMask computed from the anchors, in closed form, and the tables the
-    hand-written backward (dflash.attention.triton_attention) reads: the same tile lists and intervals.
+    hand-written kernels (dflash.attention.triton_attention) read: the same tile lists and intervals.
 
     create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
     grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
@@ -146,7 +146,7 @@ class FlexPlan(NamedTuple):
     capability: tuple[int, int] | None
     """CUDA compute capability of the device, None off CUDA."""
     tables: Tables | None = None
-    """The block mask's tile lists and row intervals, for the hand-written backward (prepare sets
+    """The block mask's tile lists and row intervals, for dflash's hand-written kernels (prepare sets
     them)."""
     mask_name: str = ""
     """The mask_mod's name (dflash.attention.mask.mask_name)."""
