@@ -10,8 +10,8 @@ CPU smoke run (tiny, through Triton's interpreter; checks the mechanics, not the
 Per layer kind: forward, forward + backward (the backward = the difference) with flex's kernels and
 with dflash's (kernels="dflash": the job's path, one op), then dflash's forward alone for each
 forward tile candidate and its backward alone for each backward candidate (dQ programs or dQ by
-atomics), the first of each in both launch orders (longest first, the job's; grid order, to show
-what the order alone is worth). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
+atomics), the first of each in every launch order (ORDERS: longest first, grid, grouped; the others
+in their own ORDER field, longest first unless given). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
 forward, 2.5x that backward (bench/attention.py's convention). Numerics: dflash's out, dq, dk, dv
 against flex's (relative error of each).
 """
@@ -64,12 +64,12 @@ def main() -> None:
         "--tiles",
         default="",
         help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,atomic_dq];...' (the first is also "
-        "timed in grid order)",
+        "timed in every order; an 8th field is its ORDER, an index into ORDERS)",
     )
     ap.add_argument(
         "--fwd-tiles",
         default="",
-        help="forward candidates instead of FWD_CANDIDATES: 'M,N,warps,stages;...'",
+        help="forward candidates instead of FWD_CANDIDATES: 'M,N,warps,stages[,order];...'",
     )
     ap.add_argument(
         "--write-table",
@@ -85,7 +85,13 @@ def main() -> None:
 
     from dflash.attention.flex import FlexBackend
     from dflash.attention.mask import allowed_pairs
-    from dflash.attention.triton_attention import FwdTiles, Tiles, attention_backward, attention_forward
+    from dflash.attention.triton_attention import (
+        ORDERS,
+        FwdTiles,
+        Tiles,
+        attention_backward,
+        attention_forward,
+    )
 
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
@@ -161,14 +167,14 @@ def main() -> None:
         row["fwd_candidates"] = []
         for c in fwd_cand:
             ftiles = FwdTiles(*c)
-            for order in ("longest_first", "grid") if c == fwd_cand[0] else ("longest_first",):
+            for order in ORDERS if c == fwd_cand[0] else (ORDERS[ftiles.ORDER],):
 
                 def fwd_only(
                     ftiles: FwdTiles = ftiles, order: str = order, t: Any = kernel_plan.tables
                 ) -> Any:
                     return attention_forward(q, k, v, t, scale=D**-0.5, sparse=128, tiles=ftiles, order=order)
 
-                entry = {"tiles": ftiles._asdict(), "order": order}
+                entry = {"tiles": ftiles._replace(ORDER=ORDERS.index(order))._asdict(), "order": order}
                 try:
                     fwd_only()
                     ms = bench_ms(fwd_only, device, reps)
@@ -186,7 +192,7 @@ def main() -> None:
         row["candidates"] = []
         for c in cand:
             tiles = Tiles(*c)
-            for order in ("longest_first", "grid") if c == cand[0] else ("longest_first",):
+            for order in ORDERS if c == cand[0] else (ORDERS[tiles.ORDER],):
 
                 def bwd_only(
                     tiles: Tiles = tiles,
@@ -209,7 +215,10 @@ def main() -> None:
                         order=order,
                     )
 
-                entry: dict[str, Any] = {"tiles": tiles._asdict(), "order": order}
+                entry: dict[str, Any] = {
+                    "tiles": tiles._replace(ORDER=ORDERS.index(order))._asdict(),
+                    "order": order,
+                }
                 try:
                     bwd_only()
                     ms = bench_ms(bwd_only, device, reps)
@@ -231,7 +240,7 @@ def main() -> None:
 
 
 def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
-    """Each layer kind's fastest candidates (longest-first order) as kernel_fwd_* and kernel_bwd_*
+    """Each layer kind's fastest candidates (tiles and order) as kernel_fwd_* and kernel_bwd_*
     options of that kind's entry in dflash.attention.flex's table (its flex options and other
     entries kept)."""
     import json
@@ -244,8 +253,8 @@ def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
     except FileNotFoundError:
         table = {"entries": []}
     for row in report["layers"]:
-        timed = [c for c in row["candidates"] if c["order"] == "longest_first" and "bwd_ms" in c]
-        fwd_timed = [c for c in row["fwd_candidates"] if c["order"] == "longest_first" and "fwd_ms" in c]
+        timed = [c for c in row["candidates"] if "bwd_ms" in c]
+        fwd_timed = [c for c in row["fwd_candidates"] if "fwd_ms" in c]
         if not timed or not fwd_timed:
             continue
         best = min(timed, key=lambda c: c["bwd_ms"])

@@ -57,6 +57,8 @@ class Tiles(NamedTuple):
     num_stages: int = 2
     ATOMIC_DQ: int = 0
     """1: dQ added by the dK/dV programs (float32 atomics), no dQ programs."""
+    ORDER: int = 0
+    """The launch order, an index into ORDERS."""
 
     def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
@@ -71,6 +73,8 @@ class FwdTiles(NamedTuple):
     BLOCK_N: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    ORDER: int = 0
+    """The launch order, an index into ORDERS."""
 
     def programs(self, q_len: int) -> int:
         """Query tiles per head: the forward's programs per (batch, head)."""
@@ -152,7 +156,7 @@ def _kernels() -> Any:
         s_kvnum_z, s_kvidx_z, s_kvidx_m, s_ctx_z,
         HQ, Q_LEN, KV_LEN, M_TILES, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
     ):  # fmt: skip
         """out and natural-log lse of BLOCK_M rows of query head h: an online softmax over the
         row tile's partial sparse blocks (masked), then its full ones."""
@@ -166,7 +170,10 @@ def _kernels() -> Any:
         offs_d = tl.arange(0, D)
         m_ok = offs_m < Q_LEN
         q_ptrs = Q + z.to(tl.int64) * sq_z + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_m + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+        if EVEN:  # every row and key in range: loads without bounds
+            q = tl.load(q_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
         lo = tl.load(CTX_LO + z * s_ctx_z + offs_m, mask=m_ok, other=0)
         hi = tl.load(CTX_HI + z * s_ctx_z + offs_m, mask=m_ok, other=0)
         olo = tl.load(OWN_LO + offs_m, mask=m_ok, other=0)
@@ -188,9 +195,15 @@ def _kernels() -> Any:
             for it in range(0, num * MULT):
                 blk = tl.load(idx_ptr + it // MULT)
                 offs_n = blk * SPARSE + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < KV_LEN
-                kT = tl.load(k_ptr + offs_n[None, :] * sk_n + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-                v = tl.load(v_ptr + offs_n[:, None] * sv_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                kT_ptrs = k_ptr + offs_n[None, :] * sk_n + offs_d[:, None]
+                v_ptrs = v_ptr + offs_n[:, None] * sv_n + offs_d[None, :]
+                if EVEN:
+                    kT = tl.load(kT_ptrs)
+                    v = tl.load(v_ptrs)
+                else:
+                    n_ok = offs_n < KV_LEN
+                    kT = tl.load(kT_ptrs, mask=n_ok[None, :], other=0.0)
+                    v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
                 s = tl.dot(q, kT) * QK_SCALE
                 if part == 0:
                     keys = offs_n[None, :]
@@ -203,7 +216,7 @@ def _kernels() -> Any:
                 alpha = tl.math.exp2(m_i - m_use)
                 p = tl.math.exp2(s - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
                 m_i = m_new
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -225,7 +238,7 @@ def _kernels() -> Any:
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-        ATOMIC_DQ: tl.constexpr,
+        ATOMIC_DQ: tl.constexpr, EVEN: tl.constexpr,
     ):  # fmt: skip
         RCP_LN2: tl.constexpr = 1.44269504
         MULT1: tl.constexpr = SPARSE // BLOCK_M1
@@ -243,11 +256,17 @@ def _kernels() -> Any:
             k_ptrs = (
                 K + z.to(tl.int64) * sk_z + g.to(tl.int64) * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
             )
-            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+            if EVEN:  # every row and key in range: loads without bounds
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
             v_ptrs = (
                 V + z.to(tl.int64) * sv_z + g.to(tl.int64) * sv_h + offs_n[:, None] * sv_n + offs_d[None, :]
             )
-            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+            if EVEN:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
             dk = tl.zeros([BLOCK_N1, D], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N1, D], dtype=tl.float32)
             nb = start_n // SPARSE
@@ -267,12 +286,14 @@ def _kernels() -> Any:
                         blk = tl.load(idx_ptr + it // MULT1)
                         offs_m = blk * SPARSE + (it % MULT1) * BLOCK_M1 + tl.arange(0, BLOCK_M1)
                         m_ok = offs_m < Q_LEN
-                        qT = tl.load(
-                            q_ptr + offs_m[None, :] * sq_m + offs_d[:, None], mask=m_ok[None, :], other=0.0
-                        )
-                        do = tl.load(
-                            do_ptr + offs_m[:, None] * sdo_m + offs_d[None, :], mask=m_ok[:, None], other=0.0
-                        )
+                        qT_ptrs = q_ptr + offs_m[None, :] * sq_m + offs_d[:, None]
+                        do_ptrs = do_ptr + offs_m[:, None] * sdo_m + offs_d[None, :]
+                        if EVEN:
+                            qT = tl.load(qT_ptrs)
+                            do = tl.load(do_ptrs)
+                        else:
+                            qT = tl.load(qT_ptrs, mask=m_ok[None, :], other=0.0)
+                            do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
                         lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
                         lse2 = tl.where(lse == -float("inf"), 0.0, lse * RCP_LN2)
                         di = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
@@ -324,7 +345,10 @@ def _kernels() -> Any:
             q_ptrs = (
                 Q + z.to(tl.int64) * sq_z + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_m + offs_d[None, :]
             )
-            q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN:
+                q = tl.load(q_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
             do_ptrs = (
                 DO
                 + z.to(tl.int64) * sdo_z
@@ -332,7 +356,10 @@ def _kernels() -> Any:
                 + offs_m[:, None] * sdo_m
                 + offs_d[None, :]
             )
-            do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN:
+                do = tl.load(do_ptrs)
+            else:
+                do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
             row0 = (z * HQ + h).to(tl.int64) * Q_LEN
             lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
             lse2 = tl.where(lse == -float("inf"), 0.0, lse * RCP_LN2)
@@ -356,13 +383,15 @@ def _kernels() -> Any:
                 for it in range(0, num * MULT2):
                     blk = tl.load(idx_ptr + it // MULT2)
                     offs_n = blk * SPARSE + (it % MULT2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-                    n_ok = offs_n < KV_LEN
-                    kT = tl.load(
-                        k_ptr + offs_n[None, :] * sk_n + offs_d[:, None], mask=n_ok[None, :], other=0.0
-                    )
-                    vT = tl.load(
-                        v_ptr + offs_n[None, :] * sv_n + offs_d[:, None], mask=n_ok[None, :], other=0.0
-                    )
+                    kT_ptrs = k_ptr + offs_n[None, :] * sk_n + offs_d[:, None]
+                    vT_ptrs = v_ptr + offs_n[None, :] * sv_n + offs_d[:, None]
+                    if EVEN:
+                        kT = tl.load(kT_ptrs)
+                        vT = tl.load(vT_ptrs)
+                    else:
+                        n_ok = offs_n < KV_LEN
+                        kT = tl.load(kT_ptrs, mask=n_ok[None, :], other=0.0)
+                        vT = tl.load(vT_ptrs, mask=n_ok[None, :], other=0.0)
                     s = tl.dot(q, kT) * QK_SCALE
                     if part == 0:
                         keys = offs_n[None, :]
@@ -386,7 +415,21 @@ def _kernels() -> Any:
     return dflash_attention_delta, dflash_attention_backward, dflash_attention_forward
 
 
-ORDERS = ("longest_first", "grid")
+ORDERS = ("longest_first", "grid", "grouped")
+"""Launch orders: longest_first: every program by its work, most first (a stable sort: ties keep
+the numbering); grid: flex's order (per head, its tiles in turn); grouped: the programs of one
+(batch, kv head) together, as in grid order, and within each group most work first: the groups'
+K/V (or Q/dO) stay in L2 while their programs run, and each group's long programs start first."""
+
+
+def ordered(work: Tensor, group: Tensor, order: str) -> Tensor:
+    """Program ids (positions in work) in the launch order; group: each program's (batch, kv head)."""
+    if order == "longest_first":
+        return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    if order == "grouped":
+        top = work.max() + 1
+        return torch.argsort(group * top + (top - 1 - work), stable=True).to(torch.int32)
+    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
 def schedule(
@@ -397,14 +440,14 @@ def schedule(
     kv_len: int,
     sparse: int,
     tiles: Tiles,
-    order: str = "longest_first",
+    order: str | None = None,
 ) -> Tensor:
-    """The programs of one backward launch, most work first: int32 entries, dK/dV programs numbered
-    (batch, kv head, key tile) from 0, then dQ programs (batch, head, query tile) from their count.
-    Work = the tile steps each will make (from the plan's tile lists) weighted by their products,
-    plus a fixed cost per program. Ties keep that numbering (a stable sort).
-    order="grid": flex's launch order instead (per kv head, per batch: its dK/dV programs, then the
-    dQ programs of its query heads), for benchmarks that measure what the order alone is worth."""
+    """The programs of one backward launch in `order` (ORDERS; None: the tiles' ORDER): int32
+    entries, dK/dV programs numbered (batch, kv head, key tile) from 0, then dQ programs (batch,
+    head, query tile) from their count. Work = the tile steps each will make (from the plan's tile
+    lists) weighted by their products, plus a fixed cost per program. order="grid": flex's launch
+    order (per kv head, per batch: its dK/dV programs, then the dQ programs of its query heads)."""
+    order = ORDERS[tiles.ORDER] if order is None else order
     B = tables.kv_num.shape[0]
     gqa = heads // kv_heads
     n1, m2 = tiles.programs(q_len, kv_len)
@@ -415,8 +458,6 @@ def schedule(
         dq_ids = B * kv_heads * n1 + torch.arange(B * heads * m2, device=dev).view(B, heads, m2)
         dq_ids = dq_ids[:, gqa_heads].reshape(B, kv_heads, gqa * m2).transpose(0, 1)
         return torch.cat([dkv_ids, dq_ids], dim=2).reshape(-1).to(torch.int32)
-    if order != "longest_first":
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     q_steps_BN = (tables.q_num + tables.full_q_num)[:, 0, :].to(torch.int64)  # [B, key sparse blocks]
     dkv_BN = q_steps_BN[:, torch.arange(n1, device=dev) * tiles.BLOCK_N1 // sparse]
     dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * DKV_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1)
@@ -426,7 +467,14 @@ def schedule(
     dq_BM = dq_BM * ((sparse // tiles.BLOCK_N2) * DQ_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2)
     dq = (dq_BM[:, None, :] + PROGRAM_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2).expand(B, heads, m2)
     work = torch.cat([dkv.reshape(-1), dq.reshape(-1)])
-    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    zg = torch.arange(B * kv_heads, device=dev).view(B, kv_heads)
+    group = torch.cat(
+        [
+            zg[:, :, None].expand(B, kv_heads, n1).reshape(-1),
+            zg.repeat_interleave(gqa, dim=1)[:, :, None].expand(B, heads, m2).reshape(-1),
+        ]
+    )
+    return ordered(work, group, order)
 
 
 def grad_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -448,7 +496,7 @@ def attention_backward(
     scale: float,
     sparse: int,
     tiles: Tiles = DEFAULT_TILES,
-    order: str = "longest_first",
+    order: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of softmax(q k^T * scale, masked by the plan) v, given the forward's output and
     its natural-log log-sum-exp [B, heads, q_len]. q/grad_out/out: [B, heads, q_len, D]; k, v:
@@ -513,6 +561,7 @@ def attention_backward(
         BLOCK_M2=tiles.BLOCK_M2,
         BLOCK_N2=tiles.BLOCK_N2,
         ATOMIC_DQ=bool(tiles.ATOMIC_DQ),
+        EVEN=QL % sparse == 0 and KL % sparse == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -522,21 +571,29 @@ def attention_backward(
 
 
 def forward_schedule(
-    tables: Tables, heads: int, q_len: int, sparse: int, tiles: FwdTiles, order: str = "longest_first"
+    tables: Tables,
+    heads: int,
+    kv_heads: int,
+    q_len: int,
+    sparse: int,
+    tiles: FwdTiles,
+    order: str | None = None,
 ) -> Tensor:
-    """The forward's programs (batch, head, query tile), numbered in that order from 0, most key
-    tiles first (a stable sort: ties keep the numbering); order="grid": that numbering."""
+    """The forward's programs (batch, head, query tile), numbered in that order from 0, in `order`
+    (ORDERS; None: the tiles' ORDER); work = the key tiles each visits, plus one for its fixed cost."""
+    order = ORDERS[tiles.ORDER] if order is None else order
     B = tables.kv_num.shape[0]
     m = tiles.programs(q_len)
     dev = tables.kv_num.device
     if order == "grid":
         return torch.arange(B * heads * m, device=dev, dtype=torch.int32)
-    if order != "longest_first":
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
     work_BM = kv_steps_BM[:, torch.arange(m, device=dev) * tiles.BLOCK_M // sparse] + 1  # + its fixed cost
     work = work_BM[:, None, :].expand(B, heads, m).reshape(-1)
-    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    group = torch.arange(B, device=dev)[:, None] * kv_heads + torch.arange(heads, device=dev) // (
+        heads // kv_heads
+    )
+    return ordered(work, group[:, :, None].expand(B, heads, m).reshape(-1), order)
 
 
 def attention_forward(
@@ -548,7 +605,7 @@ def attention_forward(
     scale: float,
     sparse: int,
     tiles: FwdTiles = DEFAULT_FWD_TILES,
-    order: str = "longest_first",
+    order: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, natural-log lse [B, heads, q_len] float32) of softmax(q k^T * scale, masked by the plan)
     v; out in q's layout. q: [B, heads, q_len, D]; k, v: [B, kv_heads, kv_len, D]; any strides with
@@ -559,7 +616,7 @@ def attention_forward(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = grad_like(q, v.dtype)
     lse = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
-    sched = forward_schedule(tables, HQ, QL, sparse, tiles, order)
+    sched = forward_schedule(tables, HQ, HKV, QL, sparse, tiles, order)
     t = tables
     forward[(sched.numel(),)](
         q,
@@ -594,6 +651,7 @@ def attention_forward(
         SPARSE=sparse,
         BLOCK_M=tiles.BLOCK_M,
         BLOCK_N=tiles.BLOCK_N,
+        EVEN=QL % sparse == 0 and KL % sparse == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -30,6 +30,7 @@ from dflash.attention.triton_attention import (
 
 S, K, H, G, D = 600, 4, 4, 2, 16
 A = 90  # 360 query rows: two whole sparse blocks of 128 and a part of one; 960 keys: eight blocks
+EVEN_S, EVEN_A = 640, 96  # 384 query rows, 1024 keys: whole sparse blocks (the kernels' unbounded loads)
 
 
 def test_backward_through_the_interpreter():
@@ -61,12 +62,19 @@ def reference(q, k, v, mask_BQL, grad_out):  # noqa: ANN001, ANN201
 
 
 def inputs(
-    seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", heads=H, kv_heads=G, dim=D
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    heads=H,
+    kv_heads=G,
+    dim=D,
+    context=S,
+    num=A,  # noqa: ANN001
 ):  # noqa: ANN001, ANN201
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, heads, A * K, dim, generator=g)
-    k = torch.randn(2, kv_heads, S + A * K, dim, generator=g)
-    v = torch.randn(2, kv_heads, S + A * K, dim, generator=g)
+    q = torch.randn(2, heads, num * K, dim, generator=g)
+    k = torch.randn(2, kv_heads, context + num * K, dim, generator=g)
+    v = torch.randn(2, kv_heads, context + num * K, dim, generator=g)
     grad_out = torch.randn(q.shape, generator=g)
     return (t.to(device, dtype) for t in (q, k, v, grad_out))
 
@@ -75,12 +83,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles) -> None:
+def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles, even: bool = False) -> None:
     """dq, dk, dv from the float64 forward's output and lse, against float64 autograd; on the full
-    layer both tile lists (full and partial sparse blocks) are visited."""
-    anchors, lens = anchors_and_lens()
-    q, k, v, grad_out = inputs()
-    kw = dict(context_len=S, block_size=K, window=window, causal_block=causal)
+    layer both tile lists (full and partial sparse blocks) are visited. even: lengths of whole
+    sparse blocks (the kernel's loads without bounds)."""
+    ctx, num = (EVEN_S, EVEN_A) if even else (S, A)
+    anchors, lens = anchors_and_lens(context=ctx, num=num)
+    q, k, v, grad_out = inputs(context=ctx, num=num)
+    kw = dict(context_len=ctx, block_size=K, window=window, causal_block=causal)
     _, tables = block_mask_and_tables(anchors, lens, **kw)
     assert int(tables.kv_num.sum()) > 0 and (window is not None or int(tables.full_kv_num.sum()) > 0)
     out, lse, ref = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
@@ -106,12 +116,15 @@ def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles)
         assert rel(x, r) < 2e-6, f"{name} {window} {causal} {tiles}: relative error {rel(x, r):.2e}"
 
 
-def check_forward_matches_float64(window: int | None, causal: bool, tiles: FwdTiles) -> None:
+def check_forward_matches_float64(
+    window: int | None, causal: bool, tiles: FwdTiles, even: bool = False
+) -> None:
     """out and the natural-log lse against the float64 dense-mask attention; q in the layer's
-    layout, its output in that layout too."""
-    anchors, lens = anchors_and_lens()
-    q, k, v, grad_out = inputs()
-    kw = dict(context_len=S, block_size=K, window=window, causal_block=causal)
+    layout, its output in that layout too. even: as check_kernel_matches_float64's."""
+    ctx, num = (EVEN_S, EVEN_A) if even else (S, A)
+    anchors, lens = anchors_and_lens(context=ctx, num=num)
+    q, k, v, grad_out = inputs(context=ctx, num=num)
+    kw = dict(context_len=ctx, block_size=K, window=window, causal_block=causal)
     _, tables = block_mask_and_tables(anchors, lens, **kw)
     ref_out, ref_lse, _ = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
     q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -149,13 +162,21 @@ def check_forward_schedule_is_every_program_once_longest_first() -> None:
         anchors, lens, context_len=S, block_size=K, window=200, causal_block=False
     )
     tiles = FwdTiles(BLOCK_M=64, BLOCK_N=32)
-    sched = forward_schedule(tables, H, A * K, 128, tiles)
+    sched = forward_schedule(tables, H, G, A * K, 128, tiles)
     m = math.ceil(A * K / 64)
     assert sorted(sched.tolist()) == list(range(2 * H * m))
     kv_steps = (tables.kv_num + tables.full_kv_num)[:, 0].tolist()
     works = [kv_steps[e // (H * m)][(e % m) * 64 // 128] for e in sched.tolist()]
     assert works == sorted(works, reverse=True) and works[0] > works[-1]
-    assert forward_schedule(tables, H, A * K, 128, tiles, order="grid").tolist() == list(range(2 * H * m))
+    assert forward_schedule(tables, H, G, A * K, 128, tiles, order="grid").tolist() == list(range(2 * H * m))
+    # grouped: the programs of one (batch, kv head) together, in grid order of the groups, each
+    # group's most work first.
+    grouped = forward_schedule(tables, H, G, A * K, 128, tiles, order="grouped").tolist()
+    group_of = [(e // (H * m), (e // m) % H // (H // G)) for e in grouped]
+    assert group_of == sorted(group_of)
+    for i in range(0, len(grouped), (H // G) * m):
+        w = [kv_steps[e // (H * m)][(e % m) * 64 // 128] for e in grouped[i : i + (H // G) * m]]
+        assert w == sorted(w, reverse=True)
 
 
 def check_schedule_is_every_program_once_longest_first() -> None:
@@ -186,6 +207,21 @@ def check_schedule_is_every_program_once_longest_first() -> None:
     # With dQ by atomics there are no dQ programs: the dK/dV ones only, in the same order.
     atomic = schedule(tables, H, G, A * K, S + A * K, 128, tiles._replace(ATOMIC_DQ=1))
     assert atomic.tolist() == [e for e in sched.tolist() if e < n_dkv]
+    # grouped: each (batch, kv head)'s dK/dV and dQ programs together, groups in turn, most work first.
+    grouped = schedule(tables, H, G, A * K, S + A * K, 128, tiles, order="grouped").tolist()
+    assert sorted(grouped) == list(range(n_dkv + n_dq))
+
+    def group(e: int) -> tuple[int, int]:
+        if e < n_dkv:
+            return e // (G * n1), (e // n1) % G
+        e -= n_dkv
+        return e // (H * m2), (e // m2) % H // (H // G)
+
+    assert [group(e) for e in grouped] == sorted(group(e) for e in grouped)
+    size = (n_dkv + n_dq) // (2 * G)
+    for i in range(0, len(grouped), size):
+        w = [work(e) for e in grouped[i : i + size]]
+        assert w == sorted(w, reverse=True)
 
 
 def check_backend_is_the_kernels(compiled_region: bool) -> None:
@@ -252,6 +288,12 @@ CHECKS = {
     ),
     "forward, full": lambda: check_forward_matches_float64(None, False, DEFAULT_FWD_TILES),
     "forward, sliding": lambda: check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=128, BLOCK_N=32)),
+    "whole blocks, grouped order": lambda: (
+        check_kernel_matches_float64(
+            None, False, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ORDER=2), True
+        ),
+        check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=64, BLOCK_N=64, ORDER=2), True),
+    ),
     "forward, sliding causal": lambda: check_forward_matches_float64(
         200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128)
     ),
