@@ -9,8 +9,8 @@ CPU smoke run (tiny, through Triton's interpreter; checks the mechanics, not the
 
 Per layer kind: forward, forward + backward (the backward = the difference) with flex's kernels and
 with dflash's (kernels="dflash": the job's path, one op), then dflash's forward alone for each
-forward tile candidate and its backward alone for each backward candidate (dQ programs or dQ by
-atomics), the first of each in every launch order (ORDERS: longest first, grid, grouped; the others
+forward tile candidate and its backward alone for each backward candidate (its dQ programs
+of their own), the first of each in every launch order (ORDERS: longest first, grid, grouped; the others
 in their own ORDER field, longest first unless given). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
 forward, 2.5x that backward (bench/attention.py's convention). Numerics: dflash's out, dq, dk, dv
 against flex's (relative error of each).
@@ -40,7 +40,7 @@ FWD_CANDIDATES = [
     (128, 32, 4, 3),
 ]
 
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, ATOMIC_DQ]); the first is flex's
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, ORDER]); the first is flex's
 # tuned backward.
 CANDIDATES = [
     (64, 128, 128, 64, 8, 2),
@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         default="",
-        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,atomic_dq];...' (the first is also "
-        "timed in every order; an 8th field is its ORDER, an index into ORDERS)",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order];...' (the first is also "
+        "timed in every order; a 7th field is its ORDER, an index into ORDERS)",
     )
     ap.add_argument(
         "--fwd-tiles",
@@ -105,7 +105,7 @@ def main() -> None:
     if args.fwd_tiles:
         fwd_cand = [tuple(int(x) for x in c.split(",")) for c in args.fwd_tiles.split(";")]
     if tiny:
-        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 1)]
+        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2)]
         fwd_cand = [(32, 64, 4, 1)]
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D

@@ -23,10 +23,10 @@ of dflash.attention.flex.block_mask_and_tables (context [lo, hi) and own block [
 pairs that mask allows, no others. A row that allows no key gets output 0 and lse -inf (flex's
 convention).
 
-dQ in the backward: either dQ programs of their own (per query tile and head, recomputing the
-scores and dp: 3 products per tile step) or, with Tiles.ATOMIC_DQ, added by the dK/dV programs
-into a float32 buffer with atomics (1 product instead of 3, at the cost of the atomic traffic);
-bench/attention_backward.py measures both.
+dQ in the backward has programs of its own (per query tile and head, recomputing the scores and
+dp: 3 products per tile step). Adding it from the dK/dV programs with float32 atomics instead (one
+product per step) was measured on the H200 on 2026-12-03 and lost: 7.55 ms against 4.57 for the
+8B step's full layer at the same tiles, 5.13 at its best tiles (docs/BENCHMARKS.md).
 
 On the CPU the job never calls these; the tests run them through Triton's interpreter
 (dflash.triton_jit) against float64 autograd of the dense-mask reference.
@@ -55,14 +55,12 @@ class Tiles(NamedTuple):
     BLOCK_N2: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    ATOMIC_DQ: int = 0
-    """1: dQ added by the dK/dV programs (float32 atomics), no dQ programs."""
     ORDER: int = 0
     """The launch order, an index into ORDERS."""
 
     def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
-        return -(-kv_len // self.BLOCK_N1), (0 if self.ATOMIC_DQ else -(-q_len // self.BLOCK_M2))
+        return -(-kv_len // self.BLOCK_N1), -(-q_len // self.BLOCK_M2)
 
 
 class FwdTiles(NamedTuple):
@@ -229,7 +227,7 @@ def _kernels() -> Any:
 
     @triton.jit
     def dflash_attention_backward(
-        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED, DQ_ACC,
+        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED,
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
         CTX_LO, CTX_HI, OWN_LO, OWN_HI,
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
@@ -238,7 +236,7 @@ def _kernels() -> Any:
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-        ATOMIC_DQ: tl.constexpr, EVEN: tl.constexpr,
+        EVEN: tl.constexpr,
     ):  # fmt: skip
         RCP_LN2: tl.constexpr = 1.44269504
         MULT1: tl.constexpr = SPARSE // BLOCK_M1
@@ -313,11 +311,6 @@ def _kernels() -> Any:
                         dpT = tl.dot(v, tl.trans(do))
                         dsT = pT * (dpT - di[None, :])
                         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
-                        if ATOMIC_DQ:
-                            # dQ of these rows from this key tile, added in float32 ([B, HQ, Q_LEN, D]).
-                            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * SM_SCALE
-                            dq_ptrs = DQ_ACC + row0 * D + offs_m[:, None] * D + offs_d[None, :]
-                            tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
             dv_ptrs = (
                 DV
                 + z.to(tl.int64) * sdv_z
@@ -513,7 +506,6 @@ def attention_backward(
     # Each gradient in its input's layout (as flex's backward writes them): the layer's backward
     # then reads them without a transposing copy.
     dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
-    dq_acc = torch.zeros(B, HQ, QL, D, dtype=torch.float32, device=q.device) if tiles.ATOMIC_DQ else dq
     sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
     n1, m2 = tiles.programs(QL, KL)
     t = tables
@@ -528,7 +520,6 @@ def attention_backward(
         lse,
         delta,
         sched,
-        dq_acc,
         *t,  # the kernel's table arguments are Tables' fields, in order
         *q.stride()[:3],
         *k.stride()[:3],
@@ -560,13 +551,10 @@ def attention_backward(
         BLOCK_N1=tiles.BLOCK_N1,
         BLOCK_M2=tiles.BLOCK_M2,
         BLOCK_N2=tiles.BLOCK_N2,
-        ATOMIC_DQ=bool(tiles.ATOMIC_DQ),
         EVEN=QL % sparse == 0 and KL % sparse == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if tiles.ATOMIC_DQ:
-        dq.copy_(dq_acc)
     return dq, dk, dv
 
 

@@ -204,9 +204,6 @@ def check_schedule_is_every_program_once_longest_first() -> None:
 
     works = [work(e) for e in sched.tolist()]
     assert works == sorted(works, reverse=True) and works[0] > works[-1]
-    # With dQ by atomics there are no dQ programs: the dK/dV ones only, in the same order.
-    atomic = schedule(tables, H, G, A * K, S + A * K, 128, tiles._replace(ATOMIC_DQ=1))
-    assert atomic.tolist() == [e for e in sched.tolist() if e < n_dkv]
     # grouped: each (batch, kv head)'s dK/dV and dQ programs together, groups in turn, most work first.
     grouped = schedule(tables, H, G, A * K, S + A * K, 128, tiles, order="grouped").tolist()
     assert sorted(grouped) == list(range(n_dkv + n_dq))
@@ -280,12 +277,6 @@ CHECKS = {
         None, False, Tiles(BLOCK_M1=16, BLOCK_N1=128, BLOCK_M2=32, BLOCK_N2=128)
     ),
     "schedule": check_schedule_is_every_program_once_longest_first,
-    "dq by atomics, full": lambda: check_kernel_matches_float64(
-        None, False, DEFAULT_TILES._replace(ATOMIC_DQ=1)
-    ),
-    "dq by atomics, sliding causal": lambda: check_kernel_matches_float64(
-        200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=1)
-    ),
     "forward, full": lambda: check_forward_matches_float64(None, False, DEFAULT_FWD_TILES),
     "forward, sliding": lambda: check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=128, BLOCK_N=32)),
     "whole blocks, grouped order": lambda: (
@@ -309,7 +300,7 @@ CHECKS = {
 @pytest.mark.parametrize("window", [None, 2048])
 def test_dflash_kernels_match_flex_on_gpu(window):
     """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
-    with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and dQ by atomics) against flex's
+    with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and flex's tiles in grouped order) against flex's
     own compiled kernels."""
     torch.manual_seed(0)
     ctx, block, num = 4096, 16, 512
@@ -320,12 +311,12 @@ def test_dflash_kernels_match_flex_on_gpu(window):
     k = torch.randn(2, 8, ctx + num * block, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    atomic = {"full" if window is None else "sliding": {"kernel_bwd_ATOMIC_DQ": 1}}
+    grouped = {"full" if window is None else "sliding": {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
     results = []
     for backend in (
         FlexBackend(),
         FlexBackend(kernels="dflash"),
-        FlexBackend(kernels="dflash", kernel_options=atomic),
+        FlexBackend(kernels="dflash", kernel_options=grouped),
     ):
         plan = backend.prepare(
             anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window]
