@@ -37,6 +37,8 @@ the 8B step's full layer against flex's 5.04-5.08, 3.65-3.77 ms on a sliding one
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -470,6 +472,25 @@ def schedule(
     return ordered(work, group, order)
 
 
+_SCHEDULES: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Tensor]] = {}
+"""Schedules by (which, the plan's kv_num tensor, its version, the launch's sizes): a plan's layers of
+one kind share their tables, so each step sorts its programs once per layer kind and direction, not
+once per layer (the sorts were about 0.4 ms of device time per 8B step, measured on the H200)."""
+
+
+def cached_schedule(which: str, tables: Tables, key: tuple[Any, ...], make: Callable[[], Tensor]) -> Tensor:
+    """make()'s schedule, or the one made for the same tables object (alive, unmodified) and key.
+    An entry goes when its tables do."""
+    anchor = tables.kv_num
+    k = (which, id(anchor), anchor._version, *key)
+    hit = _SCHEDULES.get(k)
+    if hit is not None and hit[0]() is anchor:
+        return hit[1]
+    sched = make()
+    _SCHEDULES[k] = (weakref.ref(anchor, lambda _, k=k: _SCHEDULES.pop(k, None)), sched)
+    return sched
+
+
 def grad_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An uninitialised gradient (or output) for x in x's layout (dimension order by stride, unit
     stride along D: what the kernels store through)."""
@@ -506,7 +527,12 @@ def attention_backward(
     # Each gradient in its input's layout (as flex's backward writes them): the layer's backward
     # then reads them without a transposing copy.
     dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
-    sched = schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order)
+    sched = cached_schedule(
+        "backward",
+        tables,
+        (HQ, HKV, QL, KL, sparse, tiles, order),
+        lambda: schedule(tables, HQ, HKV, QL, KL, sparse, tiles, order),
+    )
     n1, m2 = tiles.programs(QL, KL)
     t = tables
     backward[(sched.numel(),)](
@@ -604,7 +630,12 @@ def attention_forward(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = grad_like(q, v.dtype)
     lse = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
-    sched = forward_schedule(tables, HQ, HKV, QL, sparse, tiles, order)
+    sched = cached_schedule(
+        "forward",
+        tables,
+        (HQ, HKV, QL, sparse, tiles, order),
+        lambda: forward_schedule(tables, HQ, HKV, QL, sparse, tiles, order),
+    )
     t = tables
     forward[(sched.numel(),)](
         q,

@@ -179,6 +179,38 @@ def check_forward_schedule_is_every_program_once_longest_first() -> None:
         assert w == sorted(w, reverse=True)
 
 
+def test_schedules_are_made_once_per_tables_and_go_with_them():
+    """A plan's layers of one kind share its tables: the schedule is sorted once for them; another
+    launch shape or order, or the tables changed in place, makes its own; the entry goes with the
+    tables."""
+    import gc
+
+    from dflash.attention import triton_attention as ta
+
+    anchors, lens = anchors_and_lens()
+    block_mask, tables = block_mask_and_tables(
+        anchors, lens, context_len=S, block_size=K, window=None, causal_block=False
+    )
+    made = []
+
+    def make(x: int) -> torch.Tensor:
+        made.append(x)
+        return torch.tensor([x])
+
+    first = ta.cached_schedule("forward", tables, (H, 1), lambda: make(1))
+    assert ta.cached_schedule("forward", tables, (H, 1), lambda: make(2)) is first
+    assert ta.cached_schedule("forward", tables, (H, 2), lambda: make(3)).item() == 3
+    assert ta.cached_schedule("backward", tables, (H, 1), lambda: make(4)).item() == 4
+    tables.kv_num.add_(0)  # a write bumps the version: made again
+    assert ta.cached_schedule("forward", tables, (H, 1), lambda: make(5)).item() == 5
+    assert made == [1, 3, 4, 5]
+    keys = [k for k in ta._SCHEDULES if k[1] == id(tables.kv_num)]
+    assert len(keys) == 4
+    del block_mask, tables  # the BlockMask holds the same tile lists
+    gc.collect()
+    assert not any(k in ta._SCHEDULES for k in keys)
+
+
 def check_schedule_is_every_program_once_longest_first() -> None:
     anchors, lens = anchors_and_lens()
     _, tables = block_mask_and_tables(
