@@ -189,18 +189,28 @@ def test_closed_form_block_mask_equals_create_block_mask(seed):
 
 
 def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path):
-    """The shipped table parses, holds only flex option names, and is used only where it matches:
+    """The shipped table parses, holds only flex option names and dflash's kernels' tile fields, and is used only where it matches:
     a CUDA plan of that capability and head dim in bf16, with attention.tuned_kernels on."""
     import json
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, load_tuned
+    from dflash.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, kernel_tiles, load_tuned
+    from dflash.attention.triton_attention import FwdTiles, Tiles
 
     shipped = load_tuned(TUNED_TABLE)
     assert shipped, "dflash/attention/flex_tuned.json is missing or empty"
     for opts in shipped.values():
-        assert all(k.startswith(("fwd_", "bwd_", "kernel_bwd_")) or k.isupper() for k in opts), opts
+        # flex's own options, and dflash's kernels' tiles named by their fields
+        flex_keys = [k for k in opts if not k.startswith("kernel_")]
+        assert all(k.startswith(("fwd_", "bwd_")) or k.isupper() for k in flex_keys), opts
+        fwd = {k.removeprefix("kernel_fwd_") for k in opts if k.startswith("kernel_fwd_")}
+        bwd = {k.removeprefix("kernel_bwd_") for k in opts if k.startswith("kernel_bwd_")}
+        assert fwd <= set(FwdTiles._fields) and bwd <= set(Tiles._fields), opts
+        assert len(fwd) + len(bwd) + len(flex_keys) == len(opts), opts
+        picked_fwd, picked_bwd = kernel_tiles(opts)
+        assert all(getattr(picked_fwd, f) == opts[f"kernel_fwd_{f}"] for f in fwd)
+        assert all(getattr(picked_bwd, f) == opts[f"kernel_bwd_{f}"] for f in bwd)
     table = tmp_path / "t.json"
     opts = {"fwd_BLOCK_M": 64, "bwd_num_warps": 8}
     table.write_text(
