@@ -31,8 +31,10 @@ product per step) was measured on the H200 on 2026-12-03 and lost: 7.55 ms again
 On the CPU the job never calls these; the tests run them through Triton's interpreter
 (dflash.triton_jit) against float64 autograd of the dense-mask reference.
 
-Status (H200, docs/BENCHMARKS.md): the backward at 64 x 64 tiles with 4 warps took 4.46-4.52 ms on
-the 8B step's full layer against flex's 5.04-5.08, 3.65-3.77 ms on a sliding one against 3.94-3.99.
+Status (H200, 2026-12-03, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
+1.46 ms (full layer) / 1.21 (sliding) against flex's 1.51 / 1.25, backward 4.28-4.31 / 3.48-3.57
+against flex's 5.04 / 3.95; forward + backward 321-336 / 306-311 effective TFLOP/s. The job's
+default on a GPU (attention.flex_kernels = auto).
 """
 
 from __future__ import annotations
