@@ -148,8 +148,6 @@ class FlexPlan(NamedTuple):
     tables: Tables | None = None
     """The block mask's tile lists and row intervals, for dflash's hand-written kernels (prepare sets
     them)."""
-    mask_name: str = ""
-    """The mask_mod's name (dflash.attention.mask.mask_name)."""
 
 
 TUNED_TABLE = Path(__file__).with_name("flex_tuned.json")
@@ -247,9 +245,7 @@ class FlexBackend:
                 window=w,
                 causal_block=causal,
             )
-            plans[w] = FlexPlan(
-                block_mask, layer_kind(w), capability, tables, mask_name(block_size, w, causal)
-            )
+            plans[w] = FlexPlan(block_mask, layer_kind(w), capability, tables)
         BLOCK_MASK_SECONDS[0] += time.perf_counter() - t0
         return plans
 
