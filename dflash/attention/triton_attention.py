@@ -474,6 +474,21 @@ def schedule(
     return ordered(work, group, order)
 
 
+def check_tiles(tiles: Tiles | FwdTiles, sparse: int) -> None:
+    """Refuse tiles the kernels cannot run: each BLOCK_* must divide the sparse block (a tile never
+    straddles two of the plan's blocks) and the order must name one of ORDERS. A hand-edited table
+    with other values would otherwise compute the wrong pairs silently."""
+    blocks = {f: getattr(tiles, f) for f in tiles._fields if f.startswith("BLOCK_")}
+    bad = {f: b for f, b in blocks.items() if b < 16 or sparse % b}
+    if bad:
+        raise ValueError(
+            f"attention tiles {bad} must each divide the sparse block ({sparse}) and be at least 16: "
+            "fix the kernel_fwd_*/kernel_bwd_* entries of dflash/attention/flex_tuned.json"
+        )
+    if not 0 <= tiles.ORDER < len(ORDERS):
+        raise ValueError(f"attention tile ORDER {tiles.ORDER} is not an index into {ORDERS}")
+
+
 _SCHEDULES: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Tensor]] = {}
 """Schedules by (which, the plan's kv_num tensor, its version, the launch's sizes): a plan's layers of
 one kind share their tables, so each step sorts its programs once per layer kind and direction, not
@@ -517,6 +532,7 @@ def attention_backward(
     """(dq, dk, dv) of softmax(q k^T * scale, masked by the plan) v, given the forward's output and
     its natural-log log-sum-exp [B, heads, q_len]. q/grad_out/out: [B, heads, q_len, D]; k, v:
     [B, kv_heads, kv_len, D]; any strides with unit stride along D."""
+    check_tiles(tiles, sparse)
     delta_rows, backward, _ = _kernels()  # named so that profiles count them as attention
     B, HQ, QL, D = q.shape
     HKV, KL = k.shape[1], k.shape[2]
@@ -626,6 +642,7 @@ def attention_forward(
     """(out, natural-log lse [B, heads, q_len] float32) of softmax(q k^T * scale, masked by the plan)
     v; out in q's layout. q: [B, heads, q_len, D]; k, v: [B, kv_heads, kv_len, D]; any strides with
     unit stride along D."""
+    check_tiles(tiles, sparse)
     _, _, forward = _kernels()
     B, HQ, QL, D = q.shape
     HKV, KL = k.shape[1], k.shape[2]

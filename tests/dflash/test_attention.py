@@ -196,7 +196,7 @@ def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, kernel_tiles, load_tuned
-    from dflash.attention.triton_attention import FwdTiles, Tiles
+    from dflash.attention.triton_attention import FwdTiles, Tiles, check_tiles
 
     shipped = load_tuned(TUNED_TABLE)
     assert shipped, "dflash/attention/flex_tuned.json is missing or empty"
@@ -211,6 +211,8 @@ def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path
         picked_fwd, picked_bwd = kernel_tiles(opts)
         assert all(getattr(picked_fwd, f) == opts[f"kernel_fwd_{f}"] for f in fwd)
         assert all(getattr(picked_bwd, f) == opts[f"kernel_bwd_{f}"] for f in bwd)
+        check_tiles(picked_fwd, 128)  # the kernels can run them
+        check_tiles(picked_bwd, 128)
     table = tmp_path / "t.json"
     opts = {"fwd_BLOCK_M": 64, "bwd_num_warps": 8}
     table.write_text(

@@ -179,6 +179,32 @@ def check_forward_schedule_is_every_program_once_longest_first() -> None:
         assert w == sorted(w, reverse=True)
 
 
+def test_tiles_the_kernels_cannot_run_are_refused_before_a_launch():
+    """A tile that does not divide the sparse block would straddle two of the plan's blocks: the
+    kernels would compute the wrong pairs, so such tiles (a hand-edited table) are refused, named."""
+    from dflash.attention.triton_attention import check_tiles
+
+    check_tiles(DEFAULT_TILES, 128)
+    check_tiles(FwdTiles(BLOCK_M=128, BLOCK_N=16), 128)
+    for bad, named in (
+        (FwdTiles(BLOCK_M=256), "BLOCK_M"),
+        (Tiles(BLOCK_N2=48), "BLOCK_N2"),
+        (FwdTiles(BLOCK_N=8), "BLOCK_N"),
+    ):
+        with pytest.raises(ValueError, match=named) as e:
+            check_tiles(bad, 128)
+        assert "flex_tuned.json" in str(e.value)
+    with pytest.raises(ValueError, match="ORDER"):
+        check_tiles(Tiles(ORDER=3), 128)
+    anchors, lens = anchors_and_lens()
+    q, k, v, _ = inputs()
+    _, tables = block_mask_and_tables(
+        anchors, lens, context_len=S, block_size=K, window=None, causal_block=False
+    )
+    with pytest.raises(ValueError, match="BLOCK_M"):  # before any kernel: no interpreter needed
+        attention_forward(q, k, v, tables, scale=D**-0.5, sparse=128, tiles=FwdTiles(BLOCK_M=96))
+
+
 def test_schedules_are_made_once_per_tables_and_go_with_them():
     """A plan's layers of one kind share its tables: the schedule is sorted once for them; another
     launch shape or order, or the tables changed in place, makes its own; the entry goes with the
