@@ -86,7 +86,6 @@ def main() -> None:
     from dflash.attention.flex import FlexBackend
     from dflash.attention.mask import allowed_pairs
     from dflash.attention.triton_attention import (
-        ORDERS,
         FwdTiles,
         Tiles,
         attention_backward,
@@ -156,87 +155,86 @@ def main() -> None:
                 flush=True,
             )
             if bwd == "dflash":
-                kernel_plan = plan
+                t = plan.tables  # the plan dflash's candidates run on
         if "flex" in results:
             row["kernel_vs_flex_rel_err"] = {
                 n: rel_err(a, b)
                 for n, a, b in zip(("out", "dq", "dk", "dv"), results["dflash"], results["flex"], strict=True)
             }
             print(f"{wname} dflash vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
-        # dflash's forward alone, each forward candidate; its output and lse feed the backward's.
-        row["fwd_candidates"] = []
-        for c in fwd_cand:
-            ftiles = FwdTiles(*c)
-            for order in ORDERS if c == fwd_cand[0] else (ORDERS[ftiles.ORDER],):
-
-                def fwd_only(
-                    ftiles: FwdTiles = ftiles, order: str = order, t: Any = kernel_plan.tables
-                ) -> Any:
-                    return attention_forward(q, k, v, t, scale=D**-0.5, sparse=128, tiles=ftiles, order=order)
-
-                entry = {"tiles": ftiles._replace(ORDER=ORDERS.index(order))._asdict(), "order": order}
-                try:
-                    fwd_only()
-                    ms = bench_ms(fwd_only, device, reps)
-                    entry.update(fwd_ms=ms, fwd_tflops=fwd_flop / ms / 1e9)
-                    print(
-                        f"{wname} forward {c} {order}: {ms:.3f} ms ({entry['fwd_tflops']:.0f} TFLOP/s)",
-                        flush=True,
-                    )
-                except Exception as e:  # a tile that does not fit (shared memory, registers)
-                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    print(f"{wname} forward {c} {order}: {entry['error']}", flush=True)
-                row["fwd_candidates"].append(entry)
+        # dflash's forward alone, each forward candidate; then its output and lse feed the backward's.
+        row["fwd_candidates"] = time_candidates(
+            fwd_cand,
+            FwdTiles,
+            lambda tiles, order, t=t: attention_forward(
+                q, k, v, t, scale=D**-0.5, sparse=128, tiles=tiles, order=order
+            ),
+            name=f"{wname} forward",
+            key="fwd",
+            flop=fwd_flop,
+            device=device,
+            reps=reps,
+        )
         with torch.no_grad():
-            out, lse = attention_forward(q, k, v, kernel_plan.tables, scale=D**-0.5, sparse=128)
-        row["candidates"] = []
-        for c in cand:
-            tiles = Tiles(*c)
-            for order in ORDERS if c == cand[0] else (ORDERS[tiles.ORDER],):
-
-                def bwd_only(
-                    tiles: Tiles = tiles,
-                    order: str = order,
-                    out: Any = out,
-                    lse: Any = lse,
-                    t: Any = kernel_plan.tables,
-                ) -> Any:
-                    return attention_backward(
-                        grad,
-                        q,
-                        k,
-                        v,
-                        out,
-                        lse,
-                        t,
-                        scale=D**-0.5,
-                        sparse=128,
-                        tiles=tiles,
-                        order=order,
-                    )
-
-                entry: dict[str, Any] = {
-                    "tiles": tiles._replace(ORDER=ORDERS.index(order))._asdict(),
-                    "order": order,
-                }
-                try:
-                    bwd_only()
-                    ms = bench_ms(bwd_only, device, reps)
-                    entry.update(bwd_ms=ms, bwd_tflops=2.5 * fwd_flop / ms / 1e9)
-                    print(
-                        f"{wname} kernel {c} {order}: bwd {ms:.3f} ms ({entry['bwd_tflops']:.0f} TFLOP/s)",
-                        flush=True,
-                    )
-                except Exception as e:  # a tile that does not fit (shared memory, registers)
-                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    print(f"{wname} kernel {c} {order}: {entry['error']}", flush=True)
-                row["candidates"].append(entry)
+            out, lse = attention_forward(q, k, v, t, scale=D**-0.5, sparse=128)
+        row["candidates"] = time_candidates(
+            cand,
+            Tiles,
+            lambda tiles, order, out=out, lse=lse, t=t: attention_backward(
+                grad, q, k, v, out, lse, t, scale=D**-0.5, sparse=128, tiles=tiles, order=order
+            ),
+            name=f"{wname} backward",
+            key="bwd",
+            flop=2.5 * fwd_flop,
+            device=device,
+            reps=reps,
+        )
         report["layers"].append(row)
     report["interpreted"] = os.environ.get("TRITON_INTERPRET") == "1"
     if args.write_table:
         report["capability"] = list(torch.cuda.get_device_capability()) if device == "cuda" else [0, 0]
         write_table(Path(args.write_table), report, D)
     write_report(args.out, report)
+
+
+def time_candidates(
+    candidates: list[tuple[int, ...]],
+    tile_type: Any,
+    run: Any,
+    *,
+    name: str,
+    key: str,
+    flop: float,
+    device: str,
+    reps: int,
+) -> list[dict[str, Any]]:
+    """run(tiles, order) timed for each candidate tile tuple: the first in every launch order, the
+    others in their own ORDER. Entries: tiles (with the order timed), order, {key}_ms and
+    {key}_tflops, or the error of a tile that does not fit (shared memory, registers)."""
+    from dflash.attention.triton_attention import ORDERS
+
+    entries = []
+    for c in candidates:
+        tiles = tile_type(*c)
+        for order in ORDERS if c == candidates[0] else (ORDERS[tiles.ORDER],):
+            entry: dict[str, Any] = {
+                "tiles": tiles._replace(ORDER=ORDERS.index(order))._asdict(),
+                "order": order,
+            }
+
+            def call(tiles: Any = tiles, order: str = order) -> Any:
+                return run(tiles, order)
+
+            try:
+                call()
+                ms = bench_ms(call, device, reps)
+                entry.update({f"{key}_ms": ms, f"{key}_tflops": flop / ms / 1e9})
+                print(f"{name} {c} {order}: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s)", flush=True)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(f"{name} {c} {order}: {entry['error']}", flush=True)
+            entries.append(entry)
+    return entries
 
 
 def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:

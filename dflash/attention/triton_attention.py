@@ -419,13 +419,14 @@ the numbering); grid: flex's order (per head, its tiles in turn); grouped: the p
 K/V (or Q/dO) stay in L2 while their programs run, and each group's long programs start first."""
 
 
-def ordered(work: Tensor, group: Tensor, order: str) -> Tensor:
-    """Program ids (positions in work) in the launch order; group: each program's (batch, kv head)."""
+def ordered(work: Tensor, group: Callable[[], Tensor], order: str) -> Tensor:
+    """Program ids (positions in work) in the launch order; group() (made for the grouped order
+    only): each program's (batch, kv head)."""
     if order == "longest_first":
         return torch.argsort(work, descending=True, stable=True).to(torch.int32)
     if order == "grouped":
         top = work.max() + 1
-        return torch.argsort(group * top + (top - 1 - work), stable=True).to(torch.int32)
+        return torch.argsort(group() * top + (top - 1 - work), stable=True).to(torch.int32)
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
@@ -464,13 +465,16 @@ def schedule(
     dq_BM = dq_BM * ((sparse // tiles.BLOCK_N2) * DQ_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2)
     dq = (dq_BM[:, None, :] + PROGRAM_COST * tiles.BLOCK_M2 * tiles.BLOCK_N2).expand(B, heads, m2)
     work = torch.cat([dkv.reshape(-1), dq.reshape(-1)])
-    zg = torch.arange(B * kv_heads, device=dev).view(B, kv_heads)
-    group = torch.cat(
-        [
-            zg[:, :, None].expand(B, kv_heads, n1).reshape(-1),
-            zg.repeat_interleave(gqa, dim=1)[:, :, None].expand(B, heads, m2).reshape(-1),
-        ]
-    )
+
+    def group() -> Tensor:
+        zg = torch.arange(B * kv_heads, device=dev).view(B, kv_heads)
+        return torch.cat(
+            [
+                zg[:, :, None].expand(B, kv_heads, n1).reshape(-1),
+                zg.repeat_interleave(gqa, dim=1)[:, :, None].expand(B, heads, m2).reshape(-1),
+            ]
+        )
+
     return ordered(work, group, order)
 
 
@@ -622,10 +626,14 @@ def forward_schedule(
     kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
     work_BM = kv_steps_BM[:, torch.arange(m, device=dev) * tiles.BLOCK_M // sparse] + 1  # + its fixed cost
     work = work_BM[:, None, :].expand(B, heads, m).reshape(-1)
-    group = torch.arange(B, device=dev)[:, None] * kv_heads + torch.arange(heads, device=dev) // (
-        heads // kv_heads
-    )
-    return ordered(work, group[:, :, None].expand(B, heads, m).reshape(-1), order)
+
+    def group() -> Tensor:
+        zg = torch.arange(B, device=dev)[:, None] * kv_heads + torch.arange(heads, device=dev) // (
+            heads // kv_heads
+        )
+        return zg[:, :, None].expand(B, heads, m).reshape(-1)
+
+    return ordered(work, group, order)
 
 
 def attention_forward(

@@ -9,6 +9,7 @@ The check_* functions run in a process of their own with the interpreter on
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -61,22 +62,30 @@ def reference(q, k, v, mask_BQL, grad_out):  # noqa: ANN001, ANN201
     return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
 
 
-def inputs(
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    heads=H,
-    kv_heads=G,
-    dim=D,
-    context=S,
-    num=A,  # noqa: ANN001
-):  # noqa: ANN001, ANN201
+def inputs(seed: int = 0, context: int = S, num: int = A) -> tuple[torch.Tensor, ...]:
+    """float32 q, k, v and an output gradient for `num` anchors on a `context`-token context."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, heads, num * K, dim, generator=g)
-    k = torch.randn(2, kv_heads, context + num * K, dim, generator=g)
-    v = torch.randn(2, kv_heads, context + num * K, dim, generator=g)
-    grad_out = torch.randn(q.shape, generator=g)
-    return (t.to(device, dtype) for t in (q, k, v, grad_out))
+    q = torch.randn(2, H, num * K, D, generator=g)
+    k = torch.randn(2, G, context + num * K, D, generator=g)
+    v = torch.randn(2, G, context + num * K, D, generator=g)
+    return q, k, v, torch.randn(q.shape, generator=g)
+
+
+def layer_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, Q, D] with [B, Q, H, D] memory, as the layer's projections give q and the o_proj's
+    backward gives the output's gradient."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def float64_case(window: int | None, causal: bool, even: bool) -> tuple[Any, ...]:
+    """(q, k, v, grad_out, tables, (out, lse, (dq, dk, dv)) in float64) for one layer kind; even:
+    lengths of whole sparse blocks (the kernels' loads without bounds)."""
+    ctx, num = (EVEN_S, EVEN_A) if even else (S, A)
+    anchors, lens = anchors_and_lens(context=ctx, num=num)
+    q, k, v, grad_out = inputs(context=ctx, num=num)
+    kw = dict(context_len=ctx, block_size=K, window=window, causal_block=causal)
+    _, tables = block_mask_and_tables(anchors, lens, **kw)
+    return q, k, v, grad_out, tables, reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,21 +94,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_kernel_matches_float64(window: int | None, causal: bool, tiles: Tiles, even: bool = False) -> None:
     """dq, dk, dv from the float64 forward's output and lse, against float64 autograd; on the full
-    layer both tile lists (full and partial sparse blocks) are visited. even: lengths of whole
-    sparse blocks (the kernel's loads without bounds)."""
-    ctx, num = (EVEN_S, EVEN_A) if even else (S, A)
-    anchors, lens = anchors_and_lens(context=ctx, num=num)
-    q, k, v, grad_out = inputs(context=ctx, num=num)
-    kw = dict(context_len=ctx, block_size=K, window=window, causal_block=causal)
-    _, tables = block_mask_and_tables(anchors, lens, **kw)
+    layer both tile lists (full and partial sparse blocks) are visited. q and grad_out in the layer's
+    layout: q's gradient comes back in it. even: as float64_case's."""
+    q, k, v, grad_out, tables, (out, lse, ref) = float64_case(window, causal, even)
     assert int(tables.kv_num.sum()) > 0 and (window is not None or int(tables.full_kv_num.sum()) > 0)
-    out, lse, ref = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
-    # A strided grad_out (as the o_proj's backward gives it: [B, Q, H, D] memory seen as [B, H, Q, D]).
-    grad_strided = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
-    # q in the layer's layout too ([B, Q, H, D] memory): its gradient comes back in that layout.
-    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    q_strided = layer_layout(q)
     got = attention_backward(
-        grad_strided,
+        layer_layout(grad_out),
         q_strided,
         k,
         v,
@@ -120,14 +121,9 @@ def check_forward_matches_float64(
     window: int | None, causal: bool, tiles: FwdTiles, even: bool = False
 ) -> None:
     """out and the natural-log lse against the float64 dense-mask attention; q in the layer's
-    layout, its output in that layout too. even: as check_kernel_matches_float64's."""
-    ctx, num = (EVEN_S, EVEN_A) if even else (S, A)
-    anchors, lens = anchors_and_lens(context=ctx, num=num)
-    q, k, v, grad_out = inputs(context=ctx, num=num)
-    kw = dict(context_len=ctx, block_size=K, window=window, causal_block=causal)
-    _, tables = block_mask_and_tables(anchors, lens, **kw)
-    ref_out, ref_lse, _ = reference(q, k, v, dense_mask(anchors, lens, **kw), grad_out)
-    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    layout, its output in that layout too. even: as float64_case's."""
+    q, k, v, _, tables, (ref_out, ref_lse, _) = float64_case(window, causal, even)
+    q_strided = layer_layout(q)
     out, lse = attention_forward(q_strided, k, v, tables, scale=D**-0.5, sparse=128, tiles=tiles)
     assert out.stride() == q_strided.stride() and lse.shape == ref_lse.shape
     assert rel(out, ref_out) < 2e-6, f"out {window} {causal} {tiles}: {rel(out, ref_out):.2e}"
