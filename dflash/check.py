@@ -124,14 +124,19 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
 
     from dflash.pipeline import worker_devices
     from dflash.placement import cuda_index, missing_devices, placement_problems
-    from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_device
+    from dflash.resolve import (
+        resolve_backend,
+        resolve_bf16_weights,
+        resolve_device,
+        resolve_fused_qk_norm_rope,
+    )
 
     try:
         device = resolve_device(cfg)
     except ConfigError as e:
         report.config_error(e)
     else:
-        for resolve in (resolve_backend, resolve_bf16_weights):
+        for resolve in (resolve_backend, resolve_bf16_weights, resolve_fused_qk_norm_rope):
             try:
                 resolve(cfg, device)
             except ConfigError as e:

@@ -266,6 +266,11 @@ class AttentionConfig:
     backward for the DFlash mask (dflash.attention.triton_attention: flex's block-sparse tiles and
     arithmetic, their programs run longest first; docs/BENCHMARKS.md has their speed on the H200).
     On the CPU dflash's kernels run only through Triton's interpreter (the tests), so auto is flex."""
+    fused_qk_norm_rope: bool = False
+    """With dflash's attention kernels: the layers' q/k RMSNorm and rotary embedding as one Triton
+    kernel each way (dflash.attention.qk_norm_rope; the module path's arithmetic and roundings)
+    instead of inductor's kernels for them. Off until its speed is measured on a GPU: it was written
+    and checked through Triton's interpreter in a session without device time (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -101,7 +101,7 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
 def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
     import torch
 
-    from dflash.resolve import resolve_bf16_weights, resolve_flex_kernels
+    from dflash.resolve import resolve_bf16_weights, resolve_flex_kernels, resolve_fused_qk_norm_rope
     from dflash.shapes import shape_plan
 
     device = torch.device(device_type)
@@ -121,6 +121,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
             # The layers' graphs hold flex's backward or the kernel's op.
             "flex_kernels": resolve_flex_kernels(cfg, device),
+            "fused_qk_norm_rope": resolve_fused_qk_norm_rope(cfg, device),
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
         "drafter": spec.to_dict(),

@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from dflash.attention import AttentionBackend, make_backend
+from dflash.attention import AttentionBackend, make_backend, qk_norm_rope
 from dflash.errors import ConfigError
 from dflash.resolve import default_target_layer_ids as default_target_layer_ids  # importable from here
 
@@ -61,11 +61,27 @@ class DrafterAttention(nn.Module):
         B, Q, _ = block_BQH.shape
         kv_in_BLH = torch.cat([ctx_BSH, block_BQH], dim=1)
         L = kv_in_BLH.shape[1]
-        q_BHQD = self.q_norm(self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
-        k_BGLD = self.k_norm(self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)).transpose(1, 2)
+        q_BQHD = self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)
+        k_BLGD = self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)
         v_BGLD = self.v_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        q_BHQD, _ = apply_rotary_pos_emb(q_BHQD, q_BHQD, *rope_q)
-        k_BGLD, _ = apply_rotary_pos_emb(k_BGLD, k_BGLD, *rope_kv)
+        if (
+            backend.fused_qk_norm_rope
+            and q_BQHD.dtype == v_BGLD.dtype
+            and qk_norm_rope.applies(q_BQHD, self.q_norm.weight, rope_q[0])
+        ):
+            # The same arithmetic and roundings as below, one kernel each way per tensor.
+            q_BHQD = qk_norm_rope.qk_norm_rope(
+                q_BQHD, self.q_norm.weight, *rope_q, self.q_norm.variance_epsilon
+            )
+            k_BGLD = qk_norm_rope.qk_norm_rope(
+                k_BLGD, self.k_norm.weight, *rope_kv, self.k_norm.variance_epsilon
+            )
+            q_BHQD, k_BGLD = q_BHQD.transpose(1, 2), k_BGLD.transpose(1, 2)
+        else:
+            q_BHQD = self.q_norm(q_BQHD).transpose(1, 2)
+            k_BGLD = self.k_norm(k_BLGD).transpose(1, 2)
+            q_BHQD, _ = apply_rotary_pos_emb(q_BHQD, q_BHQD, *rope_q)
+            k_BGLD, _ = apply_rotary_pos_emb(k_BGLD, k_BGLD, *rope_kv)
         # Under autocast the q/k RMSNorms return float32 (fp32 weight x bf16): attend in v's dtype.
         o_BHQD = backend.attend(q_BHQD.to(v_BGLD.dtype), k_BGLD.to(v_BGLD.dtype), v_BGLD.contiguous(), plan)
         return self.o_proj(o_BHQD.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
@@ -123,6 +139,7 @@ class DFlashDrafter(nn.Module):
         compile: bool = True,
         tuned_kernels: bool = True,
         flex_kernels: str = "flex",
+        fused_qk_norm_rope: bool = False,
     ) -> None:
         super().__init__()
         for name, w in (("embedding", embed_weight_VH), ("lm_head", lm_head_weight_VH)):
@@ -138,6 +155,7 @@ class DFlashDrafter(nn.Module):
             compile=compile,
             tuned_kernels=tuned_kernels,
             flex_kernels=flex_kernels,
+            fused_qk_norm_rope=fused_qk_norm_rope,
         )
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.

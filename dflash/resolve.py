@@ -50,6 +50,22 @@ def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
     return choice
 
 
+def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device) -> bool:
+    """attention.fused_qk_norm_rope, refused where it would do nothing: it is part of dflash's
+    attention kernels, so it needs the flex backend with those."""
+    if not cfg.attention.fused_qk_norm_rope:
+        return False
+    if resolve_backend(cfg, device) != "flex" or resolve_flex_kernels(cfg, device) != "dflash":
+        raise ConfigError(
+            "attention.fused_qk_norm_rope",
+            f"is part of dflash's attention kernels; on {device.type} this job runs "
+            f"attention.backend={resolve_backend(cfg, device)} with flex_kernels="
+            f"{resolve_flex_kernels(cfg, device)}: set attention.flex_kernels=dflash (and the flex "
+            "backend), or leave fused_qk_norm_rope false",
+        )
+    return True
+
+
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.attention.strict_kernels).lower()
     return device.type == "cuda" if s == "auto" else s == "true"

@@ -30,7 +30,13 @@ from dflash.objective import (
     trained_count,
 )
 from dflash.optim_kernel import KernelAdamW
-from dflash.resolve import resolve_backend, resolve_bf16_weights, resolve_flex_kernels, resolve_fused_loss
+from dflash.resolve import (
+    resolve_backend,
+    resolve_bf16_weights,
+    resolve_flex_kernels,
+    resolve_fused_loss,
+    resolve_fused_qk_norm_rope,
+)
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
 
@@ -218,6 +224,7 @@ class DrafterTrainer:
             compile=cfg.attention.compile,
             tuned_kernels=cfg.attention.tuned_kernels,
             flex_kernels=self.flex_kernels,
+            fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device),
         ).to(device)
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}

@@ -19,6 +19,9 @@ BACKENDS = ("flex", "sdpa", "eager")
 
 class AttentionBackend(Protocol):
     name: str
+    fused_qk_norm_rope: bool
+    """The layers' q/k RMSNorm + rotary embedding go through dflash.attention.qk_norm_rope's kernels
+    (attention.fused_qk_norm_rope: with dflash's own attention kernels only)."""
 
     def prepare(
         self,
@@ -41,14 +44,18 @@ def make_backend(
     compile: bool = True,
     tuned_kernels: bool = True,
     flex_kernels: str = "flex",
+    fused_qk_norm_rope: bool = False,
 ) -> AttentionBackend:
     """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip.
     tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS);
-    flex_kernels: flex's own kernels or dflash's hand-written ones (dflash.attention.triton_attention)."""
+    flex_kernels: flex's own kernels or dflash's hand-written ones (dflash.attention.triton_attention);
+    fused_qk_norm_rope: with dflash's, the q/k norm + rotary embedding too (dflash.attention.qk_norm_rope)."""
     if name == "flex":
         from dflash.attention.flex import FlexBackend
 
-        return FlexBackend(compile=compile, tuned=tuned_kernels, kernels=flex_kernels)
+        return FlexBackend(
+            compile=compile, tuned=tuned_kernels, kernels=flex_kernels, fused_qk_norm_rope=fused_qk_norm_rope
+        )
     if name == "sdpa":
         from dflash.attention.sdpa import SdpaBackend
 

@@ -188,6 +188,7 @@ class FlexBackend:
         tuned: bool = True,
         kernel_options: Mapping[str, Mapping[str, Any]] | None = None,
         kernels: str = "flex",
+        fused_qk_norm_rope: bool = False,
     ) -> None:
         # compile=False is the unfused fallback: it exists so the degraded-kernel guard can be
         # exercised and so a run can opt out knowingly; it is never chosen silently.
@@ -206,6 +207,10 @@ class FlexBackend:
         self.kernels = kernels
         """flex: flex's compiled kernels; dflash: dflash.attention.triton_attention's forward and
         backward (one custom op, dflash_attention)."""
+        if fused_qk_norm_rope and kernels != "dflash":
+            raise ValueError("the fused q/k norm + rotary kernel goes with dflash's attention kernels only")
+        self.fused_qk_norm_rope = fused_qk_norm_rope
+        """dflash's kernels take the q/k norm and rotary embedding too (dflash.attention.qk_norm_rope)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
         """The options this layer's flex kernels compile with (None: inductor's defaults); the table's

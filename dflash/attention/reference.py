@@ -14,6 +14,7 @@ class EagerBackend:
     """Materialises the full [Q, KV] scores in float32. Tests and tiny runs only."""
 
     name = "eager"
+    fused_qk_norm_rope = False
 
     def prepare(
         self,

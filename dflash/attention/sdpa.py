@@ -55,6 +55,7 @@ class ChunkPlan:
 
 class SdpaBackend:
     name = "sdpa"
+    fused_qk_norm_rope = False
 
     def __init__(self, *, chunk_blocks: int = 64) -> None:
         if chunk_blocks < 1:

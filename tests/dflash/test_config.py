@@ -111,3 +111,38 @@ def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
     with pytest.raises(ConfigError) as e:
         load_config(repo / "configs" / "qwen3-8b.toml", ["attention.flex_kernels=triton"])
     assert e.value.key == "attention.flex_kernels" and "flex, dflash or auto" in str(e.value)
+
+
+def test_the_fused_qk_norm_rope_is_off_unless_set_and_refused_where_it_would_do_nothing(repo):
+    """Off by default (not measured on a GPU yet); on with dflash's attention kernels; set where those
+    do not run, it is refused before any worker starts, naming the key and what to set instead."""
+    import torch
+
+    from dflash.resolve import resolve_fused_qk_norm_rope
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    shipped = repo / "configs" / "qwen3-8b.toml"
+    assert not resolve_fused_qk_norm_rope(load_config(shipped), cuda)
+    on = load_config(shipped, ["attention.fused_qk_norm_rope=true"])
+    assert resolve_fused_qk_norm_rope(on, cuda)
+    for cfg, device, says in (
+        (
+            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.backend=auto"]),
+            cpu,
+            "backend=sdpa",
+        ),
+        (
+            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.flex_kernels=flex"]),
+            cuda,
+            "flex_kernels=flex",
+        ),
+        (
+            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.backend=sdpa"]),
+            cuda,
+            "backend=sdpa",
+        ),
+    ):
+        with pytest.raises(ConfigError) as e:
+            resolve_fused_qk_norm_rope(cfg, device)
+        assert e.value.key == "attention.fused_qk_norm_rope" and says in str(e.value)
+        assert "attention.flex_kernels=dflash" in str(e.value)

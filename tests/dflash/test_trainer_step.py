@@ -257,13 +257,21 @@ def test_bf16_weights_train_as_float32_weights_and_resume_exactly(repo):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flex_kernels", ["dflash", "flex"])
-def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, flex_kernels):
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["attention.flex_kernels=dflash"],
+        ["attention.flex_kernels=flex"],
+        ["attention.flex_kernels=dflash", "attention.fused_qk_norm_rope=true"],
+    ],
+    ids=["dflash", "flex", "dflash+qk"],
+)
+def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, sets):
     """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
     is queued without one device sync: CUDA's sync debug mode reports each, with where it came from.
     The metrics are read once, afterwards, and match a plain train_step's kind of result."""
     dev = torch.device("cuda")
-    trainer, spec = _trainer(repo, dev, torch.bfloat16, f"attention.flex_kernels={flex_kernels}")
+    trainer, spec = _trainer(repo, dev, torch.bfloat16, *sets)
     assert trainer.fused_loss and trainer.optimizer.defaults["fused"]
     B, S = 2, 512
     (batch,) = _batches(spec, 1, torch.bfloat16, B, S)  # on the host, as pad_batch hands them
@@ -313,3 +321,19 @@ def test_reading_a_step_waits_for_that_step_only(repo):
     torch.cuda.synchronize()
     assert still_running, "reading the step waited for the work queued after it"
     assert r.step == 2 and math.isfinite(r.loss)
+
+
+@pytest.mark.gpu
+def test_the_fused_qk_norm_rope_trains_as_the_module_path(repo):
+    """attention.fused_qk_norm_rope on and off, the same batches from the same initial weights: losses
+    and gradient norms agree to bf16's precision over a few steps (the kernels round as the module
+    path does; a float32 sum in another order moves a rounding here and there)."""
+    dev = torch.device("cuda")
+    runs = []
+    for fused in ("true", "false"):
+        trainer, spec = _trainer(repo, dev, torch.bfloat16, f"attention.fused_qk_norm_rope={fused}")
+        assert trainer.model.backend.fused_qk_norm_rope == (fused == "true")
+        runs.append([trainer.train_step(*b) for b in _batches(spec, 3, torch.bfloat16)])
+    for a, b in zip(*runs, strict=True):
+        assert abs(a.loss - b.loss) < 2e-3 * abs(b.loss), (a.loss, b.loss)
+        assert abs(a.grad_norm - b.grad_norm) < 2e-2 * b.grad_norm, (a.grad_norm, b.grad_norm)
