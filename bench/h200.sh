@@ -13,6 +13,8 @@
 #   c. bench/drafter_step.py --profile   -> $OUT/drafter_step.json      <= 150 s  (log: benches.log)
 #  c2. only when asked: drafter_step_before (loss unfused, untuned flex) -> drafter_step_before.json
 #  c3. only when asked: optimizer: bench/optimizer.py --sweep -> $OUT/optimizer.json   ~30 s
+#  c4. only when asked: drafter_step_qk (flex, attention.fused_qk_norm_rope=true: the A/B against c's
+#      flex row) -> $OUT/drafter_step_qk.json                                            <= 120 s
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
@@ -99,6 +101,12 @@ if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
   step drafter_step_before "$(budget 90)" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
+fi
+# Only when asked: the flex step with dflash's q/k norm + rotary kernel, against drafter_step's flex row.
+if [[ " ${H200_ONLY:-} " == *" drafter_step_qk "* ]]; then
+  step drafter_step_qk "$(budget 120)" "$OUT/benches.log" \
+    "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
+    --set attention.fused_qk_norm_rope=true --out "$OUT/drafter_step_qk.json"
 fi
 # Only when asked: the optimizer step alone, the job's KernelAdamW against torch's fused AdamW.
 if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
@@ -283,7 +291,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention flex_tune drafter_step drafter_step_before head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -301,10 +309,10 @@ if p:
         print(f"  {k:24} {fmt(s[k]):>10}")
     print(f"  capture speedup          {fmt(s['capture_speedup_vs_baseline'], '{:.2f}x'):>10}  (goal >= 1.25x)")
     print(f"  pipeline efficiency      {fmt(s['pipeline_efficiency'], '{:.1%}'):>10}  (goal >= 95%)")
-for name in ("drafter_step_before.json", "drafter_step.json"):
+for name in ("drafter_step_before.json", "drafter_step.json", "drafter_step_qk.json"):
     for r in (load(name) or {}).get("results", []):
         split = (r.get("profile") or {}).get("per_step_ms") or {}
-        print(f"  {name[:-5]:20} {r['backend']:5} fused_loss={r['fused_loss']!s:5} {r['step_ms']:8.1f} ms "
+        print(f"  {name[:-5]:20} {r['backend']:5} fused_loss={r['fused_loss']!s:5} qk={r.get('fused_qk_norm_rope')!s:5} {r['step_ms']:8.1f} ms "
               f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%} (first count {r.get('mfu_first_count', r['mfu']):.1%})  " + " ".join(f"{k}={v:.1f}" for k, v in split.items()))
 t = load("flex_tune.json")
 for kind, b in ((t or {}).get("best") or {}).items():
