@@ -64,12 +64,10 @@ class DrafterAttention(nn.Module):
         q_BQHD = self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)
         k_BLGD = self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)
         v_BGLD = self.v_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        if (
-            backend.fused_qk_norm_rope
-            and q_BQHD.dtype == v_BGLD.dtype
-            and qk_norm_rope.applies(q_BQHD, self.q_norm.weight, rope_q[0])
-        ):
-            # The same arithmetic and roundings as below, one kernel each way per tensor.
+        if backend.fused_qk_norm_rope:
+            # The same arithmetic and roundings as below, one kernel each way per tensor; inputs it
+            # would not compute so are refused (qk_norm_rope.check), never passed to the module path
+            # silently. Its output is in the projections' dtype, the one the attention takes below.
             q_BHQD = qk_norm_rope.qk_norm_rope(
                 q_BQHD, self.q_norm.weight, *rope_q, self.q_norm.variance_epsilon
             )
@@ -157,6 +155,11 @@ class DFlashDrafter(nn.Module):
             flex_kernels=flex_kernels,
             fused_qk_norm_rope=fused_qk_norm_rope,
         )
+        if fused_qk_norm_rope and not qk_norm_rope.head_dim_supported(spec.head_dim):
+            raise ConfigError(
+                "attention.fused_qk_norm_rope",
+                f"needs a power-of-two head_dim (4 or more); this drafter's is {spec.head_dim}: leave it false",
+            )
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.
         self.register_buffer("embed_weight_VH", embed_weight_VH.detach(), persistent=False)

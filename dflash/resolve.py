@@ -52,16 +52,22 @@ def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
 
 def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device) -> bool:
     """attention.fused_qk_norm_rope, refused where it would do nothing: it is part of dflash's
-    attention kernels, so it needs the flex backend with those."""
+    attention kernels, which run on a GPU with the flex backend."""
     if not cfg.attention.fused_qk_norm_rope:
         return False
-    if resolve_backend(cfg, device) != "flex" or resolve_flex_kernels(cfg, device) != "dflash":
+    key = "attention.fused_qk_norm_rope"
+    if device.type != "cuda":
         raise ConfigError(
-            "attention.fused_qk_norm_rope",
-            f"is part of dflash's attention kernels; on {device.type} this job runs "
-            f"attention.backend={resolve_backend(cfg, device)} with flex_kernels="
-            f"{resolve_flex_kernels(cfg, device)}: set attention.flex_kernels=dflash (and the flex "
-            "backend), or leave fused_qk_norm_rope false",
+            key,
+            f"is part of dflash's attention kernels, which run on a GPU only (this job runs on {device.type}): leave it false",
+        )
+    kernels = resolve_flex_kernels(cfg, device)
+    if cfg.attention.backend == "sdpa" or kernels != "dflash":
+        raise ConfigError(
+            key,
+            f"is part of dflash's attention kernels, which this job does not run (attention.backend="
+            f"{cfg.attention.backend}, flex_kernels={kernels}): set attention.flex_kernels=dflash (or auto) "
+            "with the flex backend, or leave it false",
         )
     return True
 

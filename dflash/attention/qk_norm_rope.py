@@ -3,7 +3,8 @@
 What it replaces (dflash.model.DrafterAttention, as Qwen3 computes it under autocast):
     y = bf16(x * rsqrt(mean(x^2) + eps))     per head, x in float32 from the projection's bf16
     u = w * y                                 float32 (the norm's weight is float32)
-    z = u * cos + rotate_half(u) * sin        float32 (cos, sin in the block's dtype)
+    z = u * cos + rotate_half(u) * sin        float32 (cos, sin float32 in the job: the dtype of the
+                                              block's hidden states, which the context's norm makes float32)
     out = bf16(z)                             the dtype the attention takes
 and its autograd, with the same roundings (the gradient reaching y rounded to bf16, as the float32
 x bf16 product's backward rounds it). Compiled by inductor inside the layer, this backward took
@@ -30,8 +31,9 @@ from torch import Tensor
 
 from dflash.triton_jit import interpreted, jit_per_mode
 
-ROWS_PER_PROGRAM = 64
-"""Rows (one token's one head: D values) per block of a program."""
+ROWS_PER_PROGRAM = 32
+"""Rows (one token's one head: D values) per block of a program: 32 x 64-wide float32 halves are 16
+registers a thread at 4 warps, and the backward holds about a dozen such values at once."""
 
 PROGRAMS = 1024
 """The backward's programs at most: each sums its rows' share of the weight's gradient into one
@@ -51,12 +53,39 @@ def _kernels() -> Any:
     return module.qk_norm_rope_forward, module.qk_norm_rope_backward
 
 
-def applies(x: Tensor, weight: Tensor, cos: Tensor) -> bool:
-    """The fused path computes exactly what the module path does for these: a float32 norm weight,
-    cos/sin in x's dtype, a power-of-two head dim (its halves are a kernel's block). Metadata only
-    (the compiled layer evaluates it while tracing); the device is the attention backend's choice."""
+ROUNDING_FREE = (torch.bfloat16, torch.float16, torch.float32)
+"""Dtypes whose values float32 holds exactly: the kernels compute in float32 from any of them."""
+
+
+def head_dim_supported(D: int) -> bool:
+    """The head dim's halves are a kernel's block: a power of two, 4 or more."""
+    return D >= 4 and D & (D - 1) == 0
+
+
+def unsupported(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> str | None:
+    """Why the kernels would not compute what the module path does for these inputs (None: they
+    do). They need a float32 norm weight (the module path's u = w * y is then float32), x, cos and
+    sin in float32 or narrower (the module path's float32 arithmetic holds them exactly), and a
+    power-of-two head dim (its halves are a kernel's block). Metadata only: the compiled layer
+    evaluates it while tracing."""
     D = x.shape[-1]
-    return weight.dtype == torch.float32 and cos.dtype == x.dtype and D >= 4 and D & (D - 1) == 0
+    if weight.dtype != torch.float32:
+        return f"the q/k norm weight is {weight.dtype}, not float32"
+    if x.dtype not in ROUNDING_FREE or cos.dtype not in ROUNDING_FREE or sin.dtype != cos.dtype:
+        return f"x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}: each must be float32 or narrower, cos and sin alike"
+    if not head_dim_supported(D):
+        return f"head_dim {D} is not a power of two (4 or more)"
+    B, T = x.shape[:2]
+    if tuple(cos.shape) != (B, T, D) or tuple(sin.shape) != (B, T, D) or tuple(weight.shape) != (D,):
+        return f"shapes x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, weight {tuple(weight.shape)}"
+    return None
+
+
+def check(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Refuse inputs the kernels would not compute as the module path does (unsupported says why)."""
+    why = unsupported(x, weight, cos, sin)
+    if why is not None:
+        raise ValueError(f"dflash's q/k norm + rotary kernel cannot take these inputs: {why}")
 
 
 def _unit_d(*ts: Tensor) -> list[Tensor]:
@@ -71,6 +100,7 @@ def _strides3(t: Tensor) -> tuple[int, int, int]:
 def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
     """x [B, T, H, D] (unit stride along D), weight [D], cos/sin [B, T, D] -> out [B, T, H, D] in x's
     dtype, contiguous."""
+    check(x, weight, cos, sin)
     forward, _ = _kernels()
     x, cos, sin = _unit_d(x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
@@ -86,16 +116,17 @@ def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, ep
 
 
 def qk_norm_rope_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float
+    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, programs: int = PROGRAMS
 ) -> tuple[Tensor, Tensor]:
-    """(dx in x's dtype and layout [B, T, H, D], dweight float32 [D]) given the output's gradient."""
+    """(dx [B, T, H, D] in x's dtype, contiguous; dweight [D] in the weight's dtype) given the
+    output's gradient; on at most `programs` programs, each looping over its share of row blocks."""
     _, backward = _kernels()
     grad, x, cos, sin = _unit_d(grad, x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H
     blocks = _cdiv(rows, ROWS_PER_PROGRAM)
-    per_program = _cdiv(blocks, PROGRAMS)
+    per_program = _cdiv(blocks, programs)
     programs = _cdiv(blocks, per_program)
     dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     dw = torch.empty((programs, D), dtype=torch.float32, device=x.device)
@@ -120,6 +151,7 @@ def qk_norm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float
 
 @qk_norm_rope.register_fake
 def _(x, weight, cos, sin, eps):  # noqa: ANN001, ANN202
+    check(x, weight, cos, sin)
     return x.new_empty(x.shape)
 
 

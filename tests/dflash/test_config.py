@@ -115,7 +115,7 @@ def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
 
 def test_the_fused_qk_norm_rope_is_off_unless_set_and_refused_where_it_would_do_nothing(repo):
     """Off by default (not measured on a GPU yet); on with dflash's attention kernels; set where those
-    do not run, it is refused before any worker starts, naming the key and what to set instead."""
+    do not run, it is refused before any worker starts, naming the key and what to do instead."""
     import torch
 
     from dflash.resolve import resolve_fused_qk_norm_rope
@@ -123,26 +123,13 @@ def test_the_fused_qk_norm_rope_is_off_unless_set_and_refused_where_it_would_do_
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     shipped = repo / "configs" / "qwen3-8b.toml"
     assert not resolve_fused_qk_norm_rope(load_config(shipped), cuda)
-    on = load_config(shipped, ["attention.fused_qk_norm_rope=true"])
-    assert resolve_fused_qk_norm_rope(on, cuda)
-    for cfg, device, says in (
-        (
-            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.backend=auto"]),
-            cpu,
-            "backend=sdpa",
-        ),
-        (
-            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.flex_kernels=flex"]),
-            cuda,
-            "flex_kernels=flex",
-        ),
-        (
-            load_config(shipped, ["attention.fused_qk_norm_rope=true", "attention.backend=sdpa"]),
-            cuda,
-            "backend=sdpa",
-        ),
+    on = ["attention.fused_qk_norm_rope=true"]
+    assert resolve_fused_qk_norm_rope(load_config(shipped, on), cuda)
+    for sets, device, says in (
+        (["attention.backend=auto"], cpu, "GPU only (this job runs on cpu): leave it false"),
+        (["attention.flex_kernels=flex"], cuda, "flex_kernels=flex): set attention.flex_kernels=dflash"),
+        (["attention.backend=sdpa"], cuda, "attention.backend=sdpa, flex_kernels=dflash): set"),
     ):
         with pytest.raises(ConfigError) as e:
-            resolve_fused_qk_norm_rope(cfg, device)
-        assert e.value.key == "attention.fused_qk_norm_rope" and says in str(e.value)
-        assert "attention.flex_kernels=dflash" in str(e.value)
+            resolve_fused_qk_norm_rope(load_config(shipped, on + sets), device)
+        assert e.value.key == "attention.fused_qk_norm_rope" and says in str(e.value), str(e.value)
