@@ -32,8 +32,13 @@ from torch import Tensor
 from dflash.triton_jit import interpreted, jit_per_mode
 
 ROWS_PER_PROGRAM = 32
-"""Rows (one token's one head: D values) per block of a program: 32 x 64-wide float32 halves are 16
-registers a thread at 4 warps, and the backward holds about a dozen such values at once."""
+"""Rows (one token's one head: D values) per block of a program."""
+
+NUM_WARPS = 8
+"""Warps per program. Compiled for sm_90 (Triton 3.9's ptxas, on the CPU: cuobjdump's resource
+usage), head dim 128: the backward at 32 rows takes 125 registers a thread at 8 warps, 242 at 4
+(two programs of 4 warps an SM), and at 64 rows it spills (1,088 bytes of stack at 4 warps); the
+forward 80 at 8 warps. Not yet timed on a GPU (tests/dflash/test_qk_norm_rope.py checks no spills)."""
 
 PROGRAMS = 1024
 """The backward's programs at most: each sums its rows' share of the weight's gradient into one
@@ -110,7 +115,7 @@ def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, ep
     forward[(_cdiv(rows, ROWS_PER_PROGRAM),)](
         x, weight, cos, sin, out, rows, H, T,
         *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(out),
-        eps, D=D, BLOCK=ROWS_PER_PROGRAM,
+        eps, D=D, BLOCK=ROWS_PER_PROGRAM, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -133,7 +138,7 @@ def qk_norm_rope_backward(
     backward[(programs,)](
         grad, x, weight, cos, sin, dx, dw, rows, H, T, per_program,
         *_strides3(grad), *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(dx),
-        eps, D=D, BLOCK=ROWS_PER_PROGRAM,
+        eps, D=D, BLOCK=ROWS_PER_PROGRAM, num_warps=NUM_WARPS,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype)
 

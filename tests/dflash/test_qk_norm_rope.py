@@ -232,6 +232,49 @@ def test_inputs_the_kernels_would_not_compute_as_the_module_path_are_refused():
     )
 
 
+def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
+    """Compiled for sm_90 (the H200) by Triton's own ptxas, here without a GPU: both kernels build at
+    the shipped rows and warps for head dim 128 (bf16 x, float32 weight and cos/sin, as in the job),
+    nothing spills to local memory, and the registers leave room for two programs an SM (64 rows at
+    4 warps spilled 1,088 bytes of stack: measured so on 2026-12-03)."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    assert cuobjdump.exists(), "Triton's nvidia backend ships cuobjdump"
+    pointers = {"X": "bf16", "OUT": "bf16", "G": "bf16", "DX": "bf16", "W": "fp32", "DW": "fp32"}
+    pointers |= {"COS": "fp32", "SIN": "fp32"}
+    for kernel in qnr._kernels():
+        signature = {
+            n: f"*{pointers[n]}"
+            if n in pointers
+            else "fp32"
+            if n == "eps"
+            else "constexpr"
+            if n in ("D", "BLOCK")
+            else "i32"
+            for n in kernel.arg_names
+        }
+        source = ASTSource(
+            fn=kernel, signature=signature, constexprs={"D": 128, "BLOCK": qnr.ROWS_PER_PROGRAM}
+        )
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": qnr.NUM_WARPS}
+        )
+        cubin = tmp_path / f"{kernel.__name__}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        fields = dict(f.split(":") for line in usage.splitlines() if "REG:" in line for f in line.split())
+        assert fields["STACK"] == "0" and fields["LOCAL"] == "0", (kernel.__name__, fields)
+        assert int(fields["REG"]) * 32 * qnr.NUM_WARPS * 2 <= 65536, (kernel.__name__, fields)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cos_dtype", [torch.float32, torch.bfloat16], ids=["float32 cos", "bf16 cos"])
 @pytest.mark.parametrize("heads,T", [(32, 8192), (8, 4096 + 8192)], ids=["q", "k"])
