@@ -30,6 +30,12 @@ def on_kernel_device(x: torch.Tensor) -> bool:
     return kernel_device(x.device)
 
 
+def unit_stride_last(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as the kernels index them, stepping by 1 along the last dim: any other layout is
+    copied (the layers' tensors never are)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
 def jit_per_mode(build: Callable[[], Any]) -> Callable[[], Any]:
     """build() defines and returns a @triton.jit kernel; the result returns it, built once per
     interpreter mode (triton.jit reads TRITON_INTERPRET when it decorates)."""

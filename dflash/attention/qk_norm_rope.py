@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash.triton_jit import interpreted, jit_per_mode
+from dflash.triton_jit import interpreted, jit_per_mode, unit_stride_last
 
 ROWS_PER_PROGRAM = 32
 """Rows (one token's one head: D values) per block of a program."""
@@ -93,11 +93,6 @@ def check(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> None:
         raise ValueError(f"dflash's q/k norm + rotary kernel cannot take these inputs: {why}")
 
 
-def _unit_d(*ts: Tensor) -> list[Tensor]:
-    """The kernels step along D by 1: any other layout is copied (the layer's never is)."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
-
-
 def _strides3(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -107,7 +102,7 @@ def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, ep
     dtype, contiguous."""
     check(x, weight, cos, sin)
     forward, _ = _kernels()
-    x, cos, sin = _unit_d(x, cos, sin)
+    x, cos, sin = unit_stride_last(x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
@@ -126,7 +121,7 @@ def qk_norm_rope_backward(
     """(dx [B, T, H, D] in x's dtype, contiguous; dweight [D] in the weight's dtype) given the
     output's gradient; on at most `programs` programs, each looping over its share of row blocks."""
     _, backward = _kernels()
-    grad, x, cos, sin = _unit_d(grad, x, cos, sin)
+    grad, x, cos, sin = unit_stride_last(grad, x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H

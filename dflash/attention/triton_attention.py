@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dflash.triton_jit import jit_per_mode
+from dflash.triton_jit import jit_per_mode, unit_stride_last
 
 
 class Tiles(NamedTuple):
@@ -540,7 +540,7 @@ def attention_backward(
     delta_rows, backward, _ = _kernels()  # named so that profiles count them as attention
     B, HQ, QL, D = q.shape
     HKV, KL = k.shape[1], k.shape[2]
-    q, k, v, grad_out, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad_out, out))
+    q, k, v, grad_out, out = unit_stride_last(q, k, v, grad_out, out)
     lse = lse.contiguous()
     delta = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
     delta_rows[(-(-QL // 64), B * HQ)](
@@ -654,7 +654,7 @@ def attention_forward(
     _, _, forward = _kernels()
     B, HQ, QL, D = q.shape
     HKV, KL = k.shape[1], k.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_stride_last(q, k, v)
     out = grad_like(q, v.dtype)
     lse = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
     sched = cached_schedule(
