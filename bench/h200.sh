@@ -13,8 +13,10 @@
 #   c. bench/drafter_step.py --profile   -> $OUT/drafter_step.json      <= 150 s  (log: benches.log)
 #  c2. only when asked: drafter_step_before (loss unfused, untuned flex) -> drafter_step_before.json
 #  c3. only when asked: optimizer: bench/optimizer.py --sweep -> $OUT/optimizer.json   ~30 s
-#  c4. only when asked: drafter_step_qk (flex, attention.fused_qk_norm_rope=true: the A/B against c's
-#      flex row) -> $OUT/drafter_step_qk.json                                            <= 120 s
+#  c4. only when asked: drafter_step_qk (flex with attention.fused_qk_norm_rope=$H200_QK, default
+#      false: the A/B against c's flex row, where auto turns it on) -> $OUT/drafter_step_qk.json  <= 120 s
+#  c5. only when asked: qk_norm_rope: bench/qk_norm_rope.py --sweep -> $OUT/qk_norm_rope.json      ~60 s
+#  c6. only when asked: attention_backward: bench/attention_backward.py (H200_ABW_ARGS) -> $OUT/attention_backward.json
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
 #   d. compile cache: warm-cache (cold) -> restore into an empty dir -> new process on the restored dir
 #                                       -> $OUT/compile_cache.json     <= 85 s   (log: cache.log)
@@ -58,6 +60,15 @@ fi
 # H200_HEAD_ARGS the same for bench/drafter_step.py ("--backends flex") and bench/head_loss.py
 # ("--skip-unchunked --ce-sweep").
 # budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
+# runs NAME: whether step NAME runs in this call (H200_ONLY empty, or it names the step).
+runs() { [ -z "${H200_ONLY:-}" ] || [[ " $H200_ONLY " == *" $1 "* ]]; }
+# later NAME SECONDS ...: the seconds to keep for those of the named steps that run in this call
+# (a step H200_ONLY leaves out keeps nothing from the steps before it).
+later() {
+  local sum=0
+  while [ $# -ge 2 ]; do runs "$1" && sum=$(( sum + $2 )); shift 2; done
+  echo "$sum"
+}
 budget() {
   local left=$(( TOTAL_S - SECONDS - ${2:-0} ))
   (( left < ${1} )) && echo $(( left > 10 ? left : 10 )) || echo "$1"
@@ -67,7 +78,7 @@ budget() {
 step() {
   local name=$1 secs=$2 log=$3; shift 3
   # H200_ONLY="attention compile_cache" runs just those steps; H200_CAP_<name>=S overrides a cap.
-  if [ -n "${H200_ONLY:-}" ] && [[ " $H200_ONLY " != *" $name "* ]]; then STATUS[$name]="skipped"; return; fi
+  if ! runs "$name"; then STATUS[$name]="skipped"; return; fi
   local cap_var="H200_CAP_$name"; secs=${!cap_var:-$secs}
   echo "=== $name (timeout ${secs}s, t=${SECONDS}s) ===" | tee -a "$log"
   # A stack dump of every Python thread before the cap runs out says where a slow step is.
@@ -78,10 +89,10 @@ step() {
 }
 
 # (a) GPU tests (they skip themselves without a GPU)
-step pytest "$(budget 75 $((PIPELINE_MIN_S + 40 + 70 + 20 + 85)))" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
+step pytest "$(budget 75 "$(later attention 40 drafter_step 70 head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
 
 # (b), (c) kernel and drafter-step benchmarks
-step attention "$(budget 40 $((PIPELINE_MIN_S + 70 + 20 + 85)))" "$OUT/benches.log" \
+step attention "$(budget 40 "$(later drafter_step 70 head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
 # Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind dflash/attention/flex_tuned.json.
 # Its winners are written into that table here, so every later step of this call runs with them; the
@@ -94,7 +105,7 @@ if [[ " ${H200_ONLY:-} " == *" flex_tune "* ]]; then
 fi
 # The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"
-step drafter_step "$(budget 150 $((PIPELINE_MIN_S + 20 + 85)))" "$OUT/benches.log" \
+step drafter_step "$(budget 150 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json" ${H200_STEP_ARGS:-}
 # Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
 if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
@@ -102,11 +113,23 @@ if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
 fi
-# Only when asked: the flex step with dflash's q/k norm + rotary kernel, against drafter_step's flex row.
+# Only when asked: the flex step with dflash's q/k norm + rotary kernel off (H200_QK=false, the default;
+# auto turns it on in drafter_step's flex row) or on: the A/B against that row.
 if [[ " ${H200_ONLY:-} " == *" drafter_step_qk "* ]]; then
   step drafter_step_qk "$(budget 120)" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
-    --set attention.fused_qk_norm_rope=true --out "$OUT/drafter_step_qk.json"
+    --set "attention.fused_qk_norm_rope=${H200_QK:-false}" --out "$OUT/drafter_step_qk.json"
+fi
+# Only when asked: the q/k norm + rotary kernel against the module path inductor compiles, and swept.
+if [[ " ${H200_ONLY:-} " == *" qk_norm_rope "* ]]; then
+  step qk_norm_rope "$(budget 90)" "$OUT/benches.log" \
+    "$PY" bench/qk_norm_rope.py "${TINY[@]}" --sweep --out "$OUT/qk_norm_rope.json"
+fi
+# Only when asked: dflash's attention kernels alone per tile candidate (H200_ABW_ARGS: e.g.
+# '--tiles "64,64,64,64,4,2;64,64,64,64,4,1"'; without it the bench's own candidate lists).
+if [[ " ${H200_ONLY:-} " == *" attention_backward "* ]]; then
+  step attention_backward "$(budget 120)" "$OUT/benches.log" \
+    bash -c "\"$PY\" bench/attention_backward.py ${TINY[*]} --reps 10 --out \"$OUT/attention_backward.json\" ${H200_ABW_ARGS:-}"
 fi
 # Only when asked: the optimizer step alone, the job's KernelAdamW against torch's fused AdamW.
 if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
@@ -115,7 +138,7 @@ if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
 fi
 unset TORCHINDUCTOR_CACHE_DIR
 HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
-step head_loss "$(budget 20 $((PIPELINE_MIN_S + 85)))" "$OUT/benches.log" \
+step head_loss "$(budget 20 "$(later compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
   "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json" ${H200_HEAD_ARGS:-}
 
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
@@ -184,7 +207,7 @@ EOF
 }
 export GPU PY WORK OUT
 DEMO_SETS=""; [ "$GPU" = 1 ] && DEMO_SETS="--set run.device=cuda --set attention.backend=flex"
-step compile_cache "$(budget 85 "$PIPELINE_MIN_S")" "$OUT/cache.log" \
+step compile_cache "$(budget 85 "$(later pipeline "$PIPELINE_MIN_S")")" "$OUT/cache.log" \
   bash -c "$(declare -f cache_roundtrip); cache_roundtrip configs/demo-cpu.toml $OUT/compile_cache.json $DEMO_SETS"
 
 # (d2) only when asked (H200_ONLY=compile_cache_8b; it needs a call of its own): every shape of the
@@ -291,7 +314,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk qk_norm_rope attention_backward optimizer head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

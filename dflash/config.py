@@ -266,11 +266,13 @@ class AttentionConfig:
     backward for the DFlash mask (dflash.attention.triton_attention: flex's block-sparse tiles and
     arithmetic, their programs run longest first; docs/BENCHMARKS.md has their speed on the H200).
     On the CPU dflash's kernels run only through Triton's interpreter (the tests), so auto is flex."""
-    fused_qk_norm_rope: bool = False
-    """With dflash's attention kernels: the layers' q/k RMSNorm and rotary embedding as one Triton
-    kernel each way (dflash.attention.qk_norm_rope; the module path's arithmetic and roundings)
-    instead of inductor's kernels for them. Off until its speed is measured on a GPU: it was written
-    and checked through Triton's interpreter in a session without device time (docs/BENCHMARKS.md)."""
+    fused_qk_norm_rope: str = "auto"
+    """true | false | auto (= true where dflash's attention kernels run: a GPU, the flex backend,
+    flex_kernels resolving to dflash, a power-of-two head dim): the layers' q/k RMSNorm and rotary
+    embedding as one Triton kernel each way (dflash.attention.qk_norm_rope; the module path's
+    arithmetic and roundings) instead of inductor's kernels for them. true where those kernels do
+    not run is refused. On the H200 it took the 8B step's q/k kernels from about 3.4 ms to about 1.9
+    (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -282,6 +284,11 @@ class AttentionConfig:
             )
         if str(self.strict_kernels) not in ("true", "false", "auto", "True", "False"):
             raise ConfigError("attention.strict_kernels", "must be true, false or auto")
+        if str(self.fused_qk_norm_rope) not in ("true", "false", "auto", "True", "False"):
+            raise ConfigError(
+                "attention.fused_qk_norm_rope",
+                f"must be true, false or auto, got {self.fused_qk_norm_rope!r}",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -121,7 +121,7 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
             "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
             # The layers' graphs hold flex's backward or the kernel's op.
             "flex_kernels": resolve_flex_kernels(cfg, device),
-            "fused_qk_norm_rope": resolve_fused_qk_norm_rope(cfg, device),
+            "fused_qk_norm_rope": resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
         "drafter": spec.to_dict(),

@@ -50,24 +50,32 @@ def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
     return choice
 
 
-def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device) -> bool:
-    """attention.fused_qk_norm_rope, refused where it would do nothing: it is part of dflash's
-    attention kernels, which run on a GPU with the flex backend."""
-    if not cfg.attention.fused_qk_norm_rope:
+def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: int | None = None) -> bool:
+    """attention.fused_qk_norm_rope: auto is on wherever dflash's attention kernels run (a GPU, the
+    flex backend, flex_kernels resolving to dflash) and the drafter's head dim suits the kernel
+    (head_dim: the drafter's, where the caller knows it); true is refused where they do not run."""
+    choice = str(cfg.attention.fused_qk_norm_rope).lower()
+    if choice == "false":
         return False
+    kernels = resolve_flex_kernels(cfg, device)
+    if choice == "auto":
+        from dflash.attention.qk_norm_rope import head_dim_supported
+
+        runs = device.type == "cuda" and resolve_backend(cfg, device) == "flex" and kernels == "dflash"
+        return runs and (head_dim is None or head_dim_supported(head_dim))
     key = "attention.fused_qk_norm_rope"
     if device.type != "cuda":
         raise ConfigError(
             key,
-            f"is part of dflash's attention kernels, which run on a GPU only (this job runs on {device.type}): leave it false",
+            f"is part of dflash's attention kernels, which run on a GPU only (this job runs on {device.type}): "
+            "set it false or auto",
         )
-    kernels = resolve_flex_kernels(cfg, device)
     if cfg.attention.backend == "sdpa" or kernels != "dflash":
         raise ConfigError(
             key,
             f"is part of dflash's attention kernels, which this job does not run (attention.backend="
             f"{cfg.attention.backend}, flex_kernels={kernels}): set attention.flex_kernels=dflash (or auto) "
-            "with the flex backend, or leave it false",
+            "with the flex backend, or set it false or auto",
         )
     return True
 

@@ -224,7 +224,7 @@ class DrafterTrainer:
             compile=cfg.attention.compile,
             tuned_kernels=cfg.attention.tuned_kernels,
             flex_kernels=self.flex_kernels,
-            fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device),
+            fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
         ).to(device)
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}

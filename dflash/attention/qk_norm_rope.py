@@ -14,7 +14,8 @@ and x, write dx: 2.8 GB per step) take about 0.7 ms at 4 TB/s. Here each program
 once per pass and sums its share of the weight's gradient, then the partials are summed
 (deterministic, no atomics).
 
-Opt-in (attention.fused_qk_norm_rope, with dflash's attention kernels) until it is measured on a GPU.
+On by default wherever dflash's attention kernels run (attention.fused_qk_norm_rope = auto): on the
+H200 its kernels take about 1.9 ms of the 8B step where inductor's took about 3.4 (docs/BENCHMARKS.md).
 On the CPU the kernels run only through Triton's interpreter, for the tests
 (tests/dflash/test_qk_norm_rope.py: against float64 autograd of the module path, and the drafter
 with and without them).
@@ -24,25 +25,33 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from dflash.triton_jit import interpreted, jit_per_mode, unit_stride_last
 
-ROWS_PER_PROGRAM = 32
-"""Rows (one token's one head: D values) per block of a program."""
 
-NUM_WARPS = 8
-"""Warps per program. Compiled for sm_90 (Triton 3.9's ptxas, on the CPU: cuobjdump's resource
-usage), head dim 128: the backward at 32 rows takes 125 registers a thread at 8 warps, 242 at 4
-(two programs of 4 warps an SM), and at 64 rows it spills (1,088 bytes of stack at 4 warps); the
-forward 80 at 8 warps. Not yet timed on a GPU (tests/dflash/test_qk_norm_rope.py checks no spills)."""
+class Launch(NamedTuple):
+    """One kernel's launch: rows (one token's one head: D values) per block, warps per program, and
+    for the backward the programs at most (each sums its rows' share of the weight's gradient into
+    one [D] partial; the partials are summed after: programs x D floats)."""
 
-PROGRAMS = 1024
-"""The backward's programs at most: each sums its rows' share of the weight's gradient into one
-[D] partial, and the partials are summed after (1024 x D floats: 0.5 MiB at D = 128)."""
+    rows: int
+    num_warps: int
+    programs: int = 0
+
+
+FORWARD = Launch(rows=16, num_warps=4)
+BACKWARD = Launch(rows=16, num_warps=2, programs=4096)
+"""Measured on the H200 at the 8B step's q [2, 8192, 32, 128] and k [2, 12288, 8, 128]
+(bench/qk_norm_rope.py --sweep, 2026-12-03 22:17 UTC, docs/BENCHMARKS.md): the backward at 16 rows / 2
+warps / 4096 programs 0.155 ms (q, 2.6 TB/s) and 0.074 ms (k) against 0.274 and 0.116 at the first
+choice (32 rows / 8 warps / 1024 programs: fewer registers, fewer loads in flight a thread); the
+forward at 16 rows / 4 warps 0.100 and 0.043 ms (32 / 8: 0.103 and 0.044). Compiled for sm_90 without a
+GPU (Triton 3.9's ptxas): the backward 240 registers a thread at 16 rows / 2 warps, the forward 80, no
+spills (tests/dflash/test_qk_norm_rope.py keeps it so)."""
 
 
 @jit_per_mode
@@ -107,33 +116,34 @@ def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, ep
     B, T, H, D = x.shape
     out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     rows = B * T * H
-    forward[(_cdiv(rows, ROWS_PER_PROGRAM),)](
+    forward[(_cdiv(rows, FORWARD.rows),)](
         x, weight, cos, sin, out, rows, H, T,
         *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(out),
-        eps, D=D, BLOCK=ROWS_PER_PROGRAM, num_warps=NUM_WARPS,
+        eps, D=D, BLOCK=FORWARD.rows, num_warps=FORWARD.num_warps,
     )  # fmt: skip
     return out
 
 
 def qk_norm_rope_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, programs: int = PROGRAMS
+    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, programs: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """(dx [B, T, H, D] in x's dtype, contiguous; dweight [D] in the weight's dtype) given the
-    output's gradient; on at most `programs` programs, each looping over its share of row blocks."""
+    output's gradient; on at most `programs` programs (BACKWARD's), each looping over its share of row
+    blocks."""
     _, backward = _kernels()
     grad, x, cos, sin = unit_stride_last(grad, x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H
-    blocks = _cdiv(rows, ROWS_PER_PROGRAM)
-    per_program = _cdiv(blocks, programs)
+    blocks = _cdiv(rows, BACKWARD.rows)
+    per_program = _cdiv(blocks, programs or BACKWARD.programs)
     programs = _cdiv(blocks, per_program)
     dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     dw = torch.empty((programs, D), dtype=torch.float32, device=x.device)
     backward[(programs,)](
         grad, x, weight, cos, sin, dx, dw, rows, H, T, per_program,
         *_strides3(grad), *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(dx),
-        eps, D=D, BLOCK=ROWS_PER_PROGRAM, num_warps=NUM_WARPS,
+        eps, D=D, BLOCK=BACKWARD.rows, num_warps=BACKWARD.num_warps,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype)
 

@@ -113,23 +113,38 @@ def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
     assert e.value.key == "attention.flex_kernels" and "flex, dflash or auto" in str(e.value)
 
 
-def test_the_fused_qk_norm_rope_is_off_unless_set_and_refused_where_it_would_do_nothing(repo):
-    """Off by default (not measured on a GPU yet); on with dflash's attention kernels; set where those
-    do not run, it is refused before any worker starts, naming the key and what to do instead."""
+def test_the_fused_qk_norm_rope_is_auto_on_with_dflash_kernels_and_refused_where_it_would_do_nothing(repo):
+    """auto (the default) is on exactly where dflash's attention kernels run and the head dim suits
+    the kernel; false is off; true where those kernels do not run is refused before any worker
+    starts, naming the key and what to do instead; any other value is refused."""
     import torch
 
     from dflash.resolve import resolve_fused_qk_norm_rope
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     shipped = repo / "configs" / "qwen3-8b.toml"
-    assert not resolve_fused_qk_norm_rope(load_config(shipped), cuda)
+    assert load_config(shipped).attention.fused_qk_norm_rope == "auto"
+    assert resolve_fused_qk_norm_rope(load_config(shipped), cuda)
+    assert resolve_fused_qk_norm_rope(load_config(shipped), cuda, 128)
+    assert not resolve_fused_qk_norm_rope(load_config(shipped), cuda, 96)  # not a power of two
+    for sets, device in (
+        ([], cpu),
+        (["attention.backend=auto"], cpu),
+        (["attention.flex_kernels=flex"], cuda),
+        (["attention.backend=sdpa"], cuda),
+        (["attention.fused_qk_norm_rope=false"], cuda),
+    ):
+        assert not resolve_fused_qk_norm_rope(load_config(shipped, sets), device), sets
     on = ["attention.fused_qk_norm_rope=true"]
     assert resolve_fused_qk_norm_rope(load_config(shipped, on), cuda)
     for sets, device, says in (
-        (["attention.backend=auto"], cpu, "GPU only (this job runs on cpu): leave it false"),
+        (["attention.backend=auto"], cpu, "GPU only (this job runs on cpu): set it false or auto"),
         (["attention.flex_kernels=flex"], cuda, "flex_kernels=flex): set attention.flex_kernels=dflash"),
         (["attention.backend=sdpa"], cuda, "attention.backend=sdpa, flex_kernels=dflash): set"),
     ):
         with pytest.raises(ConfigError) as e:
             resolve_fused_qk_norm_rope(load_config(shipped, on + sets), device)
         assert e.value.key == "attention.fused_qk_norm_rope" and says in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(shipped, ["attention.fused_qk_norm_rope=sometimes"])
+    assert e.value.key == "attention.fused_qk_norm_rope" and "true, false or auto" in str(e.value)

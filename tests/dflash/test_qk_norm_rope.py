@@ -99,13 +99,15 @@ def check_bf16_rounds_as_the_module_path(cos_dtype: torch.dtype) -> None:
 
 
 def check_backward_programs_loop_over_their_blocks() -> None:
-    """On 3 programs each loops over 7 blocks of 32 rows (2 x 40 x 8 = 640 rows: 20 blocks, and a
-    last block past the rows, all masked): the same dx, bitwise, as one block per program (each row's
-    arithmetic is the same), and the weight's gradient, summed in another order, to float32."""
+    """On 3 programs each loops over its share of the blocks (2 x 40 x 8 = 640 rows: 40 blocks of 16,
+    14 a program, and the last program's final 2 past the rows, all masked): the same dx, bitwise, as
+    one block per program (each row's arithmetic is the same), and the weight's gradient, summed in
+    another order, to float32."""
     x, weight, cos, sin, grad = case(torch.float32, B=2, T=40, H=8, D=32, seed=4)
-    assert x.shape[0] * x.shape[1] * x.shape[2] == 20 * qnr.ROWS_PER_PROGRAM
+    blocks = x.shape[0] * x.shape[1] * x.shape[2] // qnr.BACKWARD.rows
+    assert blocks == 40 and 3 * -(-blocks // 3) > blocks  # a tail of whole blocks past the rows
     looped = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, programs=3)
-    single = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS)
+    single = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, programs=blocks)
     assert torch.equal(looped[0], single[0]) and rel(looped[1], single[1]) < 1e-6
     ref = module_path(x, weight, cos, sin, grad, torch.float64)
     assert rel(looped[0], ref[1]) < 1e-5 and rel(looped[1], ref[2]) < 1e-5
@@ -234,9 +236,9 @@ def test_inputs_the_kernels_would_not_compute_as_the_module_path_are_refused():
 
 def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
     """Compiled for sm_90 (the H200) by Triton's own ptxas, here without a GPU: both kernels build at
-    the shipped rows and warps for head dim 128 (bf16 x, float32 weight and cos/sin, as in the job),
-    nothing spills to local memory, and the registers leave room for two programs an SM (64 rows at
-    4 warps spilled 1,088 bytes of stack: measured so on 2026-12-03)."""
+    their shipped rows and warps (qk_norm_rope.FORWARD, BACKWARD) for head dim 128 (bf16 x, float32
+    weight and cos/sin, as in the job), nothing spills to local memory, and the registers leave room
+    for two programs an SM (64 rows at 4 warps spilled 1,088 bytes of stack: measured so on 2026-12-03)."""
     import subprocess
     from pathlib import Path
 
@@ -248,7 +250,7 @@ def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
     assert cuobjdump.exists(), "Triton's nvidia backend ships cuobjdump"
     pointers = {"X": "bf16", "OUT": "bf16", "G": "bf16", "DX": "bf16", "W": "fp32", "DW": "fp32"}
     pointers |= {"COS": "fp32", "SIN": "fp32"}
-    for kernel in qnr._kernels():
+    for kernel, launch in zip(qnr._kernels(), (qnr.FORWARD, qnr.BACKWARD), strict=True):
         signature = {
             n: f"*{pointers[n]}"
             if n in pointers
@@ -259,11 +261,9 @@ def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
             else "i32"
             for n in kernel.arg_names
         }
-        source = ASTSource(
-            fn=kernel, signature=signature, constexprs={"D": 128, "BLOCK": qnr.ROWS_PER_PROGRAM}
-        )
+        source = ASTSource(fn=kernel, signature=signature, constexprs={"D": 128, "BLOCK": launch.rows})
         compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": qnr.NUM_WARPS}
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps}
         )
         cubin = tmp_path / f"{kernel.__name__}.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -272,7 +272,7 @@ def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
         ).stdout
         fields = dict(f.split(":") for line in usage.splitlines() if "REG:" in line for f in line.split())
         assert fields["STACK"] == "0" and fields["LOCAL"] == "0", (kernel.__name__, fields)
-        assert int(fields["REG"]) * 32 * qnr.NUM_WARPS * 2 <= 65536, (kernel.__name__, fields)
+        assert int(fields["REG"]) * 32 * launch.num_warps * 2 <= 65536, (kernel.__name__, fields)
 
 
 @pytest.mark.gpu

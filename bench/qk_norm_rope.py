@@ -1,0 +1,169 @@
+"""The attention's q/k RMSNorm + rotary embedding at the 8B drafter step's sizes: the module path as
+dflash.model.DrafterAttention runs it (Qwen3RMSNorm, transpose, apply_rotary_pos_emb, the cast to
+bf16), compiled by inductor as the trainer's regional compile does, against dflash's kernel
+(`attention.fused_qk_norm_rope`, the op dflash.attention.qk_norm_rope.qk_norm_rope), forward and
+forward + backward; then the kernel alone for each (rows per program, warps, backward programs).
+
+H200:  python bench/qk_norm_rope.py --sweep --out $OUT/qk_norm_rope.json
+CPU:   TRITON_INTERPRET=1 python bench/qk_norm_rope.py --tiny --sweep --out /tmp/qk.json  (mechanics only)
+
+Shapes (the 8B step: 2 sequences, 512 anchors x 16 block tokens, 4096 context tokens, 32 query and
+8 key/value heads of 128): q [2, 8192, 32, 128], k [2, 12288, 8, 128] in bf16, cos/sin float32 as
+in the job. GB/s counts the bytes the pass must move: forward x read and out written, backward the
+gradient and x read and dx written (cos/sin and the weight are small and cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import bench_ms, default_out, report_header, write_report  # noqa: E402
+
+# (rows per program, warps, backward programs; 0: one row block per program). The shipped
+# qk_norm_rope.FORWARD and BACKWARD are this sweep's winners on the H200 (16, 4) and (16, 2, 4096).
+SWEEP = [
+    (32, 8, 1024),
+    (32, 8, 4096),
+    (32, 8, 0),
+    (32, 4, 1024),
+    (16, 4, 1024),
+    (16, 4, 4096),
+    (16, 2, 4096),
+    (64, 8, 1024),
+    (8, 2, 4096),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also the kernel alone at each of SWEEP's settings")
+    ap.add_argument("--tiny", action="store_true", help="small shapes (CPU: through Triton's interpreter)")
+    ap.add_argument("--out", default=default_out("qk_norm_rope"))
+    args = ap.parse_args()
+    import torch
+
+    from dflash.attention import qk_norm_rope as qk
+    from dflash.model import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    if not args.tiny and not on_gpu:
+        raise SystemExit("no CUDA device: run with --tiny (and TRITON_INTERPRET=1) for the CPU smoke run")
+    device = "cuda" if on_gpu else "cpu"
+    B, Tq, Tk, H, G, D = (2, 8192, 12288, 32, 8, 128) if not args.tiny else (1, 24, 40, 4, 2, 16)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rope(T: int) -> tuple[Any, Any]:
+        pos = torch.arange(T, device=device, dtype=torch.float32)
+        inv = 1e6 ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+        ang = torch.cat([pos[:, None] * inv[None, :]] * 2, dim=-1).expand(B, T, D)
+        return ang.cos().contiguous(), ang.sin().contiguous()
+
+    def module_path(x: Any, norm: Any, cos: Any, sin: Any) -> Any:
+        y = norm(x).transpose(1, 2)
+        y, _ = apply_rotary_pos_emb(y, y, cos, sin)
+        return y.to(torch.bfloat16)
+
+    def fused_path(x: Any, norm: Any, cos: Any, sin: Any) -> Any:
+        return qk.qk_norm_rope(x, norm.weight, cos, sin, norm.variance_epsilon).transpose(1, 2)
+
+    compiled = {
+        "module": torch.compile(module_path, fullgraph=True),
+        "dflash": torch.compile(fused_path, fullgraph=True),
+    }
+
+    def measure(name: str, T: int, heads: int) -> list[dict[str, Any]]:
+        """The module path and the kernel for one tensor (q or k); rows of the report."""
+        rows: list[dict[str, Any]] = []
+        x = torch.randn(B, T, heads, D, generator=gen, device=device).to(torch.bfloat16).requires_grad_()
+        norm = Qwen3RMSNorm(D, eps=1e-6).to(device)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=gen, device=device))
+        cos, sin = rope(T)
+        g = torch.randn(B, heads, T, D, generator=gen, device=device).to(torch.bfloat16)
+        bytes_fwd = 2 * x.numel() * x.element_size()
+        bytes_bwd = 3 * x.numel() * x.element_size()
+        outs = {}
+        for path, fn in compiled.items():
+
+            def fwd(fn: Any = fn) -> Any:
+                with torch.no_grad():
+                    return fn(x, norm, cos, sin)
+
+            def fwd_bwd(fn: Any = fn) -> Any:
+                return torch.autograd.grad(fn(x, norm, cos, sin), (x, norm.weight), g)
+
+            outs[path] = (fwd(), fwd_bwd())
+            f_ms = bench_ms(fwd, device, args.reps)
+            fb_ms = bench_ms(fwd_bwd, device, args.reps)
+            row = {
+                "tensor": name, "shape": [B, T, heads, D], "path": path, "fwd_ms": round(f_ms, 4),
+                "fwd_bwd_ms": round(fb_ms, 4), "bwd_ms": round(fb_ms - f_ms, 4),
+                "fwd_GB_per_s": round(bytes_fwd / f_ms / 1e6, 1),
+                "bwd_GB_per_s": round(bytes_bwd / max(fb_ms - f_ms, 1e-6) / 1e6, 1),
+            }  # fmt: skip
+            rows.append(row)
+            print(
+                f"{name} {path:<7} fwd {f_ms:7.4f} ms ({row['fwd_GB_per_s']:7.1f} GB/s)  "
+                f"fwd+bwd {fb_ms:7.4f} ms  bwd {row['bwd_ms']:7.4f} ms ({row['bwd_GB_per_s']:7.1f} GB/s)",
+                flush=True,
+            )
+        (out_m, (dx_m, dw_m)), (out_d, (dx_d, dw_d)) = outs["module"], outs["dflash"]
+        agree = {
+            "out_equal_share": float((out_m == out_d).float().mean()),
+            "dx_max_abs": float((dx_m.float() - dx_d.float()).abs().max()),
+            "dweight_rel": float((dw_m - dw_d).norm() / dw_m.norm()),
+        }
+        rows[-1]["agreement"] = agree
+        print(f"{name} agreement: {agree}", flush=True)
+        if args.sweep:
+            saved = qk.FORWARD, qk.BACKWARD
+            xd, gd = x.detach(), g.transpose(1, 2)
+            try:
+                for rpp, warps, programs in SWEEP:
+                    qk.FORWARD, qk.BACKWARD = qk.Launch(rpp, warps), qk.Launch(rpp, warps, programs)
+                    blocks = -(-B * T * heads // rpp)
+                    p = programs or blocks
+                    f_ms = bench_ms(
+                        lambda: qk.qk_norm_rope_forward(xd, norm.weight, cos, sin, 1e-6), device, args.reps
+                    )
+                    b_ms = bench_ms(
+                        lambda p=p: qk.qk_norm_rope_backward(gd, xd, norm.weight, cos, sin, 1e-6, programs=p),
+                        device,
+                        args.reps,
+                    )
+                    row = {
+                        "tensor": name, "path": "kernel", "rows_per_program": rpp, "num_warps": warps,
+                        "programs": p, "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4),
+                        "fwd_GB_per_s": round(bytes_fwd / f_ms / 1e6, 1), "bwd_GB_per_s": round(bytes_bwd / b_ms / 1e6, 1),
+                    }  # fmt: skip
+                    rows.append(row)
+                    print(
+                        f"{name} kernel rows {rpp:3d} warps {warps} programs {p:6d}: fwd {f_ms:7.4f} ms "
+                        f"({row['fwd_GB_per_s']:7.1f} GB/s)  bwd {b_ms:7.4f} ms ({row['bwd_GB_per_s']:7.1f} GB/s)",
+                        flush=True,
+                    )
+            finally:
+                qk.FORWARD, qk.BACKWARD = saved
+        return rows
+
+    rows = [row for name, T, heads in (("q", Tq, H), ("k", Tk, G)) for row in measure(name, T, heads)]
+    write_report(
+        args.out,
+        {
+            **report_header("qk_norm_rope", on_gpu),
+            "forward": qk.FORWARD._asdict(),
+            "backward": qk.BACKWARD._asdict(),
+            "rows": rows,
+        },
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
