@@ -7,15 +7,15 @@ What it replaces (dflash.model.DrafterAttention, as Qwen3 computes it under auto
                                               block's hidden states, which the context's norm makes float32)
     out = bf16(z)                             the dtype the attention takes
 and its autograd, with the same roundings (the gradient reaching y rounded to bf16, as the float32
-x bf16 product's backward rounds it). Compiled by inductor inside the layer, this backward took
-3.4 ms of the 8B step for the five layers' q and k (reductions of 1.80 ms in 4 calls and 1.58 in 5,
-H200 profile of 2026-12-02 in docs/BENCHMARKS.md), where the bytes it must move (read the gradient
-and x, write dx: 2.8 GB per step) take about 0.7 ms at 4 TB/s. Here each program reads its rows
-once per pass and sums its share of the weight's gradient, then the partials are summed
-(deterministic, no atomics).
+x bf16 product's backward rounds it). Compiled by inductor inside the layer, these took about 3.2 ms
+of the 8B step on the H200 (forward and backward, the five layers' q and k), where the bytes they
+must move (forward: read x, write out; backward: read the gradient and x, write dx: 4.6 GB per step)
+take about 1.2 ms at 4 TB/s. Here each program reads its rows once per pass and sums its share of
+the weight's gradient, then the partials are summed (deterministic, no atomics): 1.9 ms per step
+(forward 0.72, backward 1.18; the A/B of 2026-12-03 22:26 in docs/BENCHMARKS.md: the step 1.8 ms
+faster with it).
 
-On by default wherever dflash's attention kernels run (attention.fused_qk_norm_rope = auto): on the
-H200 its kernels take about 1.9 ms of the 8B step where inductor's took about 3.4 (docs/BENCHMARKS.md).
+On by default wherever dflash's attention kernels run (attention.fused_qk_norm_rope = auto).
 On the CPU the kernels run only through Triton's interpreter, for the tests
 (tests/dflash/test_qk_norm_rope.py: against float64 autograd of the module path, and the drafter
 with and without them).
