@@ -109,31 +109,31 @@ step drafter_step "$(budget 150 "$(later head_loss 20 compile_cache 85 pipeline 
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json" ${H200_STEP_ARGS:-}
 # Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
 if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
-  step drafter_step_before "$(budget 90)" "$OUT/benches.log" \
+  step drafter_step_before "$(budget 90 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
 fi
 # Only when asked: the flex step with dflash's q/k norm + rotary kernel off (H200_QK=false, the default;
 # auto turns it on in drafter_step's flex row) or on: the A/B against that row.
 if [[ " ${H200_ONLY:-} " == *" drafter_step_qk "* ]]; then
-  step drafter_step_qk "$(budget 120)" "$OUT/benches.log" \
+  step drafter_step_qk "$(budget 120 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set "attention.fused_qk_norm_rope=${H200_QK:-false}" --out "$OUT/drafter_step_qk.json"
 fi
 # Only when asked: the q/k norm + rotary kernel against the module path inductor compiles, and swept.
 if [[ " ${H200_ONLY:-} " == *" qk_norm_rope "* ]]; then
-  step qk_norm_rope "$(budget 90)" "$OUT/benches.log" \
-    "$PY" bench/qk_norm_rope.py "${TINY[@]}" --sweep --out "$OUT/qk_norm_rope.json"
+  step qk_norm_rope "$(budget 90 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+    env ${TINY[@]:+TRITON_INTERPRET=1} "$PY" bench/qk_norm_rope.py "${TINY[@]}" ${TINY[@]:+--reps 1} --sweep --out "$OUT/qk_norm_rope.json"
 fi
 # Only when asked: dflash's attention kernels alone per tile candidate (H200_ABW_ARGS: e.g.
 # '--tiles "64,64,64,64,4,2;64,64,64,64,4,1"'; without it the bench's own candidate lists).
 if [[ " ${H200_ONLY:-} " == *" attention_backward "* ]]; then
-  step attention_backward "$(budget 120)" "$OUT/benches.log" \
-    bash -c "\"$PY\" bench/attention_backward.py ${TINY[*]} --reps 10 --out \"$OUT/attention_backward.json\" ${H200_ABW_ARGS:-}"
+  step attention_backward "$(budget 120 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+    bash -c "${TINY[*]:+TRITON_INTERPRET=1 }\"$PY\" bench/attention_backward.py ${TINY[*]} --reps 10 --out \"$OUT/attention_backward.json\" ${H200_ABW_ARGS:-}"
 fi
 # Only when asked: the optimizer step alone, the job's KernelAdamW against torch's fused AdamW.
 if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
-  step optimizer "$(budget 60)" "$OUT/benches.log" \
+  step optimizer "$(budget 60 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
     "$PY" bench/optimizer.py "${TINY[@]}" --sweep --out "$OUT/optimizer.json"
 fi
 unset TORCHINDUCTOR_CACHE_DIR
@@ -314,7 +314,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk qk_norm_rope attention_backward optimizer head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-14s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk qk_norm_rope attention_backward optimizer head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-20s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

@@ -16,6 +16,7 @@ gradient and x read and dx written (cos/sin and the weight are small and cached)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ def main() -> None:
     on_gpu = torch.cuda.is_available() and not args.tiny
     if not args.tiny and not on_gpu:
         raise SystemExit("no CUDA device: run with --tiny (and TRITON_INTERPRET=1) for the CPU smoke run")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(
+            "on the CPU the kernels run only through Triton's interpreter: set TRITON_INTERPRET=1"
+        )
     device = "cuda" if on_gpu else "cpu"
     B, Tq, Tk, H, G, D = (2, 8192, 12288, 32, 8, 128) if not args.tiny else (1, 24, 40, 4, 2, 16)
     gen = torch.Generator(device=device).manual_seed(0)

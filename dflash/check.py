@@ -113,9 +113,10 @@ def check(
     if cfg.data.cache_dir:
         _check_writable("data.cache_dir", cfg.data.cache_dir, report)
     _check_data(cfg, report)
-    shape = _target_shape(cfg, report)
-    if shape is not None:
-        report.shm_bytes = _shm_bytes(cfg, *shape, report)
+    sizes = _target_sizes(cfg, report)
+    if sizes is not None:
+        report.shm_bytes = _shm_bytes(cfg, sizes["layers"], sizes["hidden"], report)
+        _check_head_dim(cfg, sizes, report)
     return report
 
 
@@ -187,8 +188,9 @@ def _check_writable(key: str, path: str, report: Report) -> None:
         report.error(key, f"{path}: {reason}; choose another path or fix its permissions")
 
 
-def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
-    """(layers, hidden size) of the target, from its config.json alone (no weights)."""
+def _target_sizes(cfg: JobConfig, report: Report) -> dict[str, int | None] | None:
+    """The target's layers and hidden size, and its attention heads and head dim where its
+    config.json has them (None where not), from config.json alone (no weights)."""
     if cfg.target.path == "tiny":
         from dflash.demo import check_tiny
 
@@ -197,7 +199,12 @@ def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
         except DFlashError as e:
             report.error("target.tiny_layers" if cfg.target.tiny_layers < 1 else "target.tiny_hidden", str(e))
             return None
-        return cfg.target.tiny_layers, cfg.target.tiny_hidden
+        return {
+            "layers": cfg.target.tiny_layers,
+            "hidden": cfg.target.tiny_hidden,
+            "heads": None,
+            "head_dim": None,
+        }
     from dflash.target import check_model_dir
 
     try:
@@ -210,10 +217,40 @@ def _target_shape(cfg: JobConfig, report: Report) -> tuple[int, int] | None:
     if "num_hidden_layers" not in sizes:  # multimodal checkpoints keep the language model's here
         sizes = sizes.get("text_config") or {}
     try:
-        return int(sizes["num_hidden_layers"]), int(sizes["hidden_size"])
+        layers, hidden = int(sizes["num_hidden_layers"]), int(sizes["hidden_size"])
     except (KeyError, TypeError, ValueError):
         report.error("target.path", f"{model_dir}/config.json has no num_hidden_layers and hidden_size")
         return None
+
+    def optional(key: str) -> int | None:
+        try:
+            return int(sizes[key]) or None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": optional("num_attention_heads"),
+        "head_dim": optional("head_dim"),
+    }
+
+
+def _check_head_dim(cfg: JobConfig, sizes: dict[str, int | None], report: Report) -> None:
+    """attention.fused_qk_norm_rope = true with a head dim its kernel cannot take (not a power of
+    two), refused here rather than when the drafter is built in a worker. The drafter's head dim as
+    dflash.spec.resolve_spec takes it: drafter.head_dim, else the target's, else hidden / heads."""
+    if str(cfg.attention.fused_qk_norm_rope).lower() != "true":
+        return
+    from dflash.attention.qk_norm_rope import head_dim_supported
+
+    heads = cfg.drafter.num_attention_heads or sizes["heads"]
+    head_dim = cfg.drafter.head_dim or sizes["head_dim"] or (sizes["hidden"] // heads if heads else None)  # type: ignore[operator]
+    if head_dim is not None and not head_dim_supported(head_dim):
+        report.error(
+            "attention.fused_qk_norm_rope",
+            f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto",
+        )
 
 
 def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:

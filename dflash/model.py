@@ -158,7 +158,7 @@ class DFlashDrafter(nn.Module):
         if fused_qk_norm_rope and not qk_norm_rope.head_dim_supported(spec.head_dim):
             raise ConfigError(
                 "attention.fused_qk_norm_rope",
-                f"needs a power-of-two head_dim (4 or more); this drafter's is {spec.head_dim}: leave it false",
+                f"needs a power-of-two head_dim (4 or more); this drafter's is {spec.head_dim}: set it false or auto",
             )
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.

@@ -128,15 +128,15 @@ def qk_norm_rope_backward(
     grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, programs: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """(dx [B, T, H, D] in x's dtype, contiguous; dweight [D] in the weight's dtype) given the
-    output's gradient; on at most `programs` programs (BACKWARD's), each looping over its share of row
-    blocks."""
+    output's gradient; on at most `programs` programs (None: BACKWARD's; 0: one row block per
+    program), each looping over its share of row blocks."""
     _, backward = _kernels()
     grad, x, cos, sin = unit_stride_last(grad, x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H
     blocks = _cdiv(rows, BACKWARD.rows)
-    per_program = _cdiv(blocks, programs or BACKWARD.programs)
+    per_program = _cdiv(blocks, programs or BACKWARD.programs or blocks)  # 0: a block per program
     programs = _cdiv(blocks, per_program)
     dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     dw = torch.empty((programs, D), dtype=torch.float32, device=x.device)

@@ -268,3 +268,28 @@ def test_the_fused_qk_norm_rope_without_dflash_kernels_is_refused_before_anythin
     )
     assert rc == 2 and _keys(report) == ["attention.fused_qk_norm_rope"], report["errors"]
     assert "GPU only" in report["errors"][0]["message"]
+
+
+def test_the_fused_qk_norm_rope_with_a_head_dim_its_kernel_cannot_take_is_refused_before_anything_starts(
+    tmp_path, capsys
+):
+    """Set true with a target whose head dim is not a power of two, the check names the key and the
+    head dim from the target's config.json (hidden / heads where it has no head_dim), not a worker
+    when it builds the drafter; auto is fine there (it leaves the kernel off)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    sizes = {"num_hidden_layers": 8, "hidden_size": 480, "num_attention_heads": 5}  # head dim 96
+    (model / "config.json").write_text(json.dumps(sizes))
+    (model / "model.safetensors").write_bytes(b"not weights: the check never loads them")
+    base = ["target.path=" + str(model), f"run.runs_root={tmp_path}", "drafter.num_target_layers=4"]
+    rc, report = _check(capsys, DEMO, *_sets(*base, "attention.fused_qk_norm_rope=true"))
+    messages = [e["message"] for e in report["errors"] if e["key"] == "attention.fused_qk_norm_rope"]
+    assert rc == 2 and any("this drafter's is 96: set it false or auto" in m for m in messages), report[
+        "errors"
+    ]
+    rc, report = _check(
+        capsys, DEMO, *_sets(*base, "attention.fused_qk_norm_rope=true", "drafter.head_dim=64")
+    )
+    assert not any("head_dim" in e["message"] for e in report["errors"]), report["errors"]
+    rc, report = _check(capsys, DEMO, *_sets(*base))
+    assert rc == 0, report["errors"]

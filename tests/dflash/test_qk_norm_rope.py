@@ -237,8 +237,10 @@ def test_inputs_the_kernels_would_not_compute_as_the_module_path_are_refused():
 def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
     """Compiled for sm_90 (the H200) by Triton's own ptxas, here without a GPU: both kernels build at
     their shipped rows and warps (qk_norm_rope.FORWARD, BACKWARD) for head dim 128 (bf16 x, float32
-    weight and cos/sin, as in the job), nothing spills to local memory, and the registers leave room
-    for two programs an SM (64 rows at 4 warps spilled 1,088 bytes of stack: measured so on 2026-12-03)."""
+    weight and cos/sin, as in the job), nothing spills to local memory (64 rows at 4 warps spilled
+    1,088 bytes of stack), and as many programs fit an SM as when they were timed on the H200 (the
+    forward at 16 rows / 4 warps: 80 registers, 6 programs; the backward at 16 rows / 2 warps: 240
+    registers, 4 programs, which only a spill could lower). Measured so on 2026-12-03."""
     import subprocess
     from pathlib import Path
 
@@ -250,7 +252,9 @@ def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
     assert cuobjdump.exists(), "Triton's nvidia backend ships cuobjdump"
     pointers = {"X": "bf16", "OUT": "bf16", "G": "bf16", "DX": "bf16", "W": "fp32", "DW": "fp32"}
     pointers |= {"COS": "fp32", "SIN": "fp32"}
-    for kernel, launch in zip(qnr._kernels(), (qnr.FORWARD, qnr.BACKWARD), strict=True):
+    for kernel, launch, timed_programs in zip(
+        qnr._kernels(), (qnr.FORWARD, qnr.BACKWARD), (6, 4), strict=True
+    ):
         signature = {
             n: f"*{pointers[n]}"
             if n in pointers
@@ -272,7 +276,8 @@ def test_kernels_compile_for_the_h200_without_spilling(tmp_path):
         ).stdout
         fields = dict(f.split(":") for line in usage.splitlines() if "REG:" in line for f in line.split())
         assert fields["STACK"] == "0" and fields["LOCAL"] == "0", (kernel.__name__, fields)
-        assert int(fields["REG"]) * 32 * launch.num_warps * 2 <= 65536, (kernel.__name__, fields)
+        programs = 65536 // (int(fields["REG"]) * 32 * launch.num_warps)
+        assert programs >= timed_programs, (kernel.__name__, fields)
 
 
 @pytest.mark.gpu

@@ -260,11 +260,11 @@ def test_bf16_weights_train_as_float32_weights_and_resume_exactly(repo):
 @pytest.mark.parametrize(
     "sets",
     [
-        ["attention.flex_kernels=dflash"],
+        ["attention.flex_kernels=dflash", "attention.fused_qk_norm_rope=false"],
         ["attention.flex_kernels=flex"],
-        ["attention.flex_kernels=dflash", "attention.fused_qk_norm_rope=true"],
+        ["attention.flex_kernels=dflash"],  # the q/k kernel on: auto
     ],
-    ids=["dflash", "flex", "dflash+qk"],
+    ids=["dflash-noqk", "flex", "dflash+qk"],
 )
 def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, sets):
     """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
