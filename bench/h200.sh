@@ -60,13 +60,19 @@ fi
 # H200_HEAD_ARGS the same for bench/drafter_step.py ("--backends flex") and bench/head_loss.py
 # ("--skip-unchunked --ce-sweep").
 # budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
-# runs NAME: whether step NAME runs in this call (H200_ONLY empty, or it names the step).
-runs() { [ -z "${H200_ONLY:-}" ] || [[ " $H200_ONLY " == *" $1 "* ]]; }
-# later NAME SECONDS ...: the seconds to keep for those of the named steps that run in this call
-# (a step H200_ONLY leaves out keeps nothing from the steps before it).
-later() {
-  local sum=0
-  while [ $# -ge 2 ]; do runs "$1" && sum=$(( sum + $2 )); shift 2; done
+# asked NAME: H200_ONLY names the step. runs NAME: it runs in this call (H200_ONLY empty, or asked).
+asked() { [[ " ${H200_ONLY:-} " == *" $1 "* ]]; }
+runs() { [ -z "${H200_ONLY:-}" ] || asked "$1"; }
+# The main steps in order with the seconds each keeps for itself from the steps before it (the
+# steps only run when asked come between drafter_step and head_loss and keep nothing).
+KEEPS=(pytest 0 attention 40 drafter_step 70 head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")
+# after NAME: the seconds to keep for the main steps after NAME that run in this call.
+after() {
+  local sum=0 seen=0 i
+  for (( i = 0; i < ${#KEEPS[@]}; i += 2 )); do
+    (( seen )) && runs "${KEEPS[i]}" && sum=$(( sum + KEEPS[i + 1] ))
+    [ "${KEEPS[i]}" = "$1" ] && seen=1
+  done
   echo "$sum"
 }
 budget() {
@@ -89,15 +95,15 @@ step() {
 }
 
 # (a) GPU tests (they skip themselves without a GPU)
-step pytest "$(budget 75 "$(later attention 40 drafter_step 70 head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
+step pytest "$(budget 75 "$(after pytest)")" "$OUT/pytest.log" "$PY" -m pytest -m gpu -q tests/
 
 # (b), (c) kernel and drafter-step benchmarks
-step attention "$(budget 40 "$(later drafter_step 70 head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+step attention "$(budget 40 "$(after attention)")" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
 # Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind dflash/attention/flex_tuned.json.
 # Its winners are written into that table here, so every later step of this call runs with them; the
 # table comes back as $OUT/flex_tuned.json (commit it). H200_TUNE_ARGS: e.g. "--only 0,4,6".
-if [[ " ${H200_ONLY:-} " == *" flex_tune "* ]]; then
+if asked flex_tune; then
   step flex_tune "$(budget 220)" "$OUT/tune.log" \
     "$PY" bench/flex_tune.py "${TINY[@]}" --work "$WORK/flex-tune" --out "$OUT/flex_tune.json" \
     --write-table dflash/attention/flex_tuned.json ${H200_TUNE_ARGS:-}
@@ -105,40 +111,40 @@ if [[ " ${H200_ONLY:-} " == *" flex_tune "* ]]; then
 fi
 # The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"
-step drafter_step "$(budget 150 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+step drafter_step "$(budget 150 "$(after drafter_step)")" "$OUT/benches.log" \
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json" ${H200_STEP_ARGS:-}
 # Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
-if [[ " ${H200_ONLY:-} " == *" drafter_step_before "* ]]; then
-  step drafter_step_before "$(budget 90 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+if asked drafter_step_before; then
+  step drafter_step_before "$(budget 90 "$(after drafter_step)")" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
 fi
 # Only when asked: the flex step with dflash's q/k norm + rotary kernel off (H200_QK=false, the default;
 # auto turns it on in drafter_step's flex row) or on: the A/B against that row.
-if [[ " ${H200_ONLY:-} " == *" drafter_step_qk "* ]]; then
-  step drafter_step_qk "$(budget 120 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+if asked drafter_step_qk; then
+  step drafter_step_qk "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set "attention.fused_qk_norm_rope=${H200_QK:-false}" --out "$OUT/drafter_step_qk.json"
 fi
 # Only when asked: the q/k norm + rotary kernel against the module path inductor compiles, and swept.
-if [[ " ${H200_ONLY:-} " == *" qk_norm_rope "* ]]; then
-  step qk_norm_rope "$(budget 90 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+if asked qk_norm_rope; then
+  step qk_norm_rope "$(budget 90 "$(after drafter_step)")" "$OUT/benches.log" \
     env ${TINY[@]:+TRITON_INTERPRET=1} "$PY" bench/qk_norm_rope.py "${TINY[@]}" ${TINY[@]:+--reps 1} --sweep --out "$OUT/qk_norm_rope.json"
 fi
 # Only when asked: dflash's attention kernels alone per tile candidate (H200_ABW_ARGS: e.g.
 # '--tiles "64,64,64,64,4,2;64,64,64,64,4,1"'; without it the bench's own candidate lists).
-if [[ " ${H200_ONLY:-} " == *" attention_backward "* ]]; then
-  step attention_backward "$(budget 120 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+if asked attention_backward; then
+  step attention_backward "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
     bash -c "${TINY[*]:+TRITON_INTERPRET=1 }\"$PY\" bench/attention_backward.py ${TINY[*]} --reps 10 --out \"$OUT/attention_backward.json\" ${H200_ABW_ARGS:-}"
 fi
 # Only when asked: the optimizer step alone, the job's KernelAdamW against torch's fused AdamW.
-if [[ " ${H200_ONLY:-} " == *" optimizer "* ]]; then
-  step optimizer "$(budget 60 "$(later head_loss 20 compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+if asked optimizer; then
+  step optimizer "$(budget 60 "$(after drafter_step)")" "$OUT/benches.log" \
     "$PY" bench/optimizer.py "${TINY[@]}" --sweep --out "$OUT/optimizer.json"
 fi
 unset TORCHINDUCTOR_CACHE_DIR
 HEAD_ARGS=(--reps 5); [ "$GPU" = 1 ] || HEAD_ARGS=(--tokens 600 --hidden 64 --vocab 2048 --chunk 256 --reps 2)
-step head_loss "$(budget 20 "$(later compile_cache 85 pipeline "$PIPELINE_MIN_S")")" "$OUT/benches.log" \
+step head_loss "$(budget 20 "$(after head_loss)")" "$OUT/benches.log" \
   "$PY" bench/head_loss.py "${HEAD_ARGS[@]}" --out "$OUT/head_loss.json" ${H200_HEAD_ARGS:-}
 
 # (d) compile cache round trip (docs/compile-cache.md): warm cold into a fresh store, restore into an
@@ -207,7 +213,7 @@ EOF
 }
 export GPU PY WORK OUT
 DEMO_SETS=""; [ "$GPU" = 1 ] && DEMO_SETS="--set run.device=cuda --set attention.backend=flex"
-step compile_cache "$(budget 85 "$(later pipeline "$PIPELINE_MIN_S")")" "$OUT/cache.log" \
+step compile_cache "$(budget 85 "$(after compile_cache)")" "$OUT/cache.log" \
   bash -c "$(declare -f cache_roundtrip); cache_roundtrip configs/demo-cpu.toml $OUT/compile_cache.json $DEMO_SETS"
 
 # (d2) only when asked (H200_ONLY=compile_cache_8b; it needs a call of its own): every shape of the
@@ -238,7 +244,7 @@ cache_8b() {
   rm -rf "$scratch"
   return $rc
 }
-if [[ " ${H200_ONLY:-} " == *" compile_cache_8b "* ]]; then
+if asked compile_cache_8b; then
   step compile_cache_8b "$(budget 540)" "$OUT/cache.log" \
     bash -c "$(declare -f cache_roundtrip cache_8b); cache_8b"
 fi
@@ -303,7 +309,7 @@ EOF
   rm -rf "$scratch"
   return $rc
 }
-if [[ " ${H200_ONLY:-} " == *" cache_probe "* ]]; then
+if asked cache_probe; then
   step cache_probe "$(budget 300)" "$OUT/cache.log" bash -c "$(declare -f cache_probe); cache_probe"
 fi
 

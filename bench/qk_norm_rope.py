@@ -48,9 +48,10 @@ def main() -> None:
     ap.add_argument("--out", default=default_out("qk_norm_rope"))
     args = ap.parse_args()
     import torch
+    from transformers import Qwen3Config
 
     from dflash.attention import qk_norm_rope as qk
-    from dflash.model import Qwen3RMSNorm, apply_rotary_pos_emb
+    from dflash.model import Qwen3RMSNorm, Qwen3RotaryEmbedding, norm_rope
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     if not args.tiny and not on_gpu:
@@ -63,23 +64,23 @@ def main() -> None:
     B, Tq, Tk, H, G, D = (2, 8192, 12288, 32, 8, 128) if not args.tiny else (1, 24, 40, 4, 2, 16)
     gen = torch.Generator(device=device).manual_seed(0)
 
+    # The drafter's rotary embedding, as DFlashDrafter builds it; float32 cos/sin as in the job.
+    rotary = Qwen3RotaryEmbedding(
+        Qwen3Config(hidden_size=H * D, num_attention_heads=H, head_dim=D, rope_theta=1e6)
+    )
+    rotary = rotary.to(device)
+
     def rope(T: int) -> tuple[Any, Any]:
-        pos = torch.arange(T, device=device, dtype=torch.float32)
-        inv = 1e6 ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
-        ang = torch.cat([pos[:, None] * inv[None, :]] * 2, dim=-1).expand(B, T, D)
-        return ang.cos().contiguous(), ang.sin().contiguous()
+        pos = torch.arange(T, device=device)[None].expand(B, T)
+        return rotary(torch.zeros(1, device=device), pos)
 
-    def module_path(x: Any, norm: Any, cos: Any, sin: Any) -> Any:
-        y = norm(x).transpose(1, 2)
-        y, _ = apply_rotary_pos_emb(y, y, cos, sin)
-        return y.to(torch.bfloat16)
-
-    def fused_path(x: Any, norm: Any, cos: Any, sin: Any) -> Any:
-        return qk.qk_norm_rope(x, norm.weight, cos, sin, norm.variance_epsilon).transpose(1, 2)
-
+    # The job's own q/k path (dflash.model.norm_rope), cast to the dtype the attention takes.
     compiled = {
-        "module": torch.compile(module_path, fullgraph=True),
-        "dflash": torch.compile(fused_path, fullgraph=True),
+        path: torch.compile(
+            lambda x, norm, cos, sin, fused=fused: norm_rope(x, norm, (cos, sin), fused).to(torch.bfloat16),
+            fullgraph=True,
+        )
+        for path, fused in (("module", False), ("dflash", True))
     }
 
     def measure(name: str, T: int, heads: int) -> list[dict[str, Any]]:
@@ -127,34 +128,35 @@ def main() -> None:
         rows[-1]["agreement"] = agree
         print(f"{name} agreement: {agree}", flush=True)
         if args.sweep:
-            saved = qk.FORWARD, qk.BACKWARD
             xd, gd = x.detach(), g.transpose(1, 2)
-            try:
-                for rpp, warps, programs in SWEEP:
-                    qk.FORWARD, qk.BACKWARD = qk.Launch(rpp, warps), qk.Launch(rpp, warps, programs)
-                    blocks = -(-B * T * heads // rpp)
-                    p = programs or blocks
-                    f_ms = bench_ms(
-                        lambda: qk.qk_norm_rope_forward(xd, norm.weight, cos, sin, 1e-6), device, args.reps
-                    )
-                    b_ms = bench_ms(
-                        lambda p=p: qk.qk_norm_rope_backward(gd, xd, norm.weight, cos, sin, 1e-6, programs=p),
-                        device,
-                        args.reps,
-                    )
-                    row = {
-                        "tensor": name, "path": "kernel", "rows_per_program": rpp, "num_warps": warps,
-                        "programs": p, "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4),
-                        "fwd_GB_per_s": round(bytes_fwd / f_ms / 1e6, 1), "bwd_GB_per_s": round(bytes_bwd / b_ms / 1e6, 1),
-                    }  # fmt: skip
-                    rows.append(row)
-                    print(
-                        f"{name} kernel rows {rpp:3d} warps {warps} programs {p:6d}: fwd {f_ms:7.4f} ms "
-                        f"({row['fwd_GB_per_s']:7.1f} GB/s)  bwd {b_ms:7.4f} ms ({row['bwd_GB_per_s']:7.1f} GB/s)",
-                        flush=True,
-                    )
-            finally:
-                qk.FORWARD, qk.BACKWARD = saved
+            for rpp, warps, programs in SWEEP:
+                fwd_launch, bwd_launch = qk.Launch(rpp, warps), qk.Launch(rpp, warps, programs)
+                p = programs or -(-B * T * heads // rpp)
+                f_ms = bench_ms(
+                    lambda launch=fwd_launch: qk.qk_norm_rope_forward(
+                        xd, norm.weight, cos, sin, 1e-6, launch
+                    ),
+                    device,
+                    args.reps,
+                )
+                b_ms = bench_ms(
+                    lambda launch=bwd_launch: qk.qk_norm_rope_backward(
+                        gd, xd, norm.weight, cos, sin, 1e-6, launch
+                    ),
+                    device,
+                    args.reps,
+                )
+                row = {
+                    "tensor": name, "path": "kernel", "rows_per_program": rpp, "num_warps": warps,
+                    "programs": p, "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4),
+                    "fwd_GB_per_s": round(bytes_fwd / f_ms / 1e6, 1), "bwd_GB_per_s": round(bytes_bwd / b_ms / 1e6, 1),
+                }  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{name} kernel rows {rpp:3d} warps {warps} programs {p:6d}: fwd {f_ms:7.4f} ms "
+                    f"({row['fwd_GB_per_s']:7.1f} GB/s)  bwd {b_ms:7.4f} ms ({row['bwd_GB_per_s']:7.1f} GB/s)",
+                    flush=True,
+                )
         return rows
 
     rows = [row for name, T, heads in (("q", Tq, H), ("k", Tk, G)) for row in measure(name, T, heads)]

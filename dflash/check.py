@@ -116,7 +116,7 @@ def check(
     sizes = _target_sizes(cfg, report)
     if sizes is not None:
         report.shm_bytes = _shm_bytes(cfg, sizes["layers"], sizes["hidden"], report)
-        _check_head_dim(cfg, sizes, report)
+    _check_fused_qk_norm_rope(cfg, sizes, report)
     return report
 
 
@@ -129,7 +129,6 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         resolve_backend,
         resolve_bf16_weights,
         resolve_device,
-        resolve_fused_qk_norm_rope,
     )
 
     try:
@@ -137,7 +136,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     except ConfigError as e:
         report.config_error(e)
     else:
-        for resolve in (resolve_backend, resolve_bf16_weights, resolve_fused_qk_norm_rope):
+        for resolve in (resolve_backend, resolve_bf16_weights):
             try:
                 resolve(cfg, device)
             except ConfigError as e:
@@ -236,21 +235,24 @@ def _target_sizes(cfg: JobConfig, report: Report) -> dict[str, int | None] | Non
     }
 
 
-def _check_head_dim(cfg: JobConfig, sizes: dict[str, int | None], report: Report) -> None:
-    """attention.fused_qk_norm_rope = true with a head dim its kernel cannot take (not a power of
-    two), refused here rather than when the drafter is built in a worker. The drafter's head dim as
-    dflash.spec.resolve_spec takes it: drafter.head_dim, else the target's, else hidden / heads."""
-    if str(cfg.attention.fused_qk_norm_rope).lower() != "true":
-        return
-    from dflash.attention.qk_norm_rope import head_dim_supported
+def _check_fused_qk_norm_rope(cfg: JobConfig, sizes: dict[str, int | None] | None, report: Report) -> None:
+    """attention.fused_qk_norm_rope as the trainer resolves it, with the drafter's head dim where the
+    target's config.json gives it (dflash.spec.drafter_head_dim): true where dflash's kernels do not
+    run, or with a head dim the kernel cannot take, is refused here rather than in a worker."""
+    from dflash.resolve import resolve_device, resolve_fused_qk_norm_rope
+    from dflash.spec import drafter_head_dim
 
-    heads = cfg.drafter.num_attention_heads or sizes["heads"]
-    head_dim = cfg.drafter.head_dim or sizes["head_dim"] or (sizes["hidden"] // heads if heads else None)  # type: ignore[operator]
-    if head_dim is not None and not head_dim_supported(head_dim):
-        report.error(
-            "attention.fused_qk_norm_rope",
-            f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto",
-        )
+    try:
+        device = resolve_device(cfg)
+    except ConfigError:
+        return  # _check_devices reported it
+    head_dim = None
+    if sizes is not None:
+        head_dim = drafter_head_dim(cfg.drafter, int(sizes["hidden"] or 0), sizes["heads"], sizes["head_dim"])
+    try:
+        resolve_fused_qk_norm_rope(cfg, device, head_dim)
+    except ConfigError as e:
+        report.config_error(e)
 
 
 def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:

@@ -282,13 +282,11 @@ class AttentionConfig:
             raise ConfigError(
                 "attention.flex_kernels", f"must be flex, dflash or auto, got {self.flex_kernels!r}"
             )
-        if str(self.strict_kernels) not in ("true", "false", "auto", "True", "False"):
-            raise ConfigError("attention.strict_kernels", "must be true, false or auto")
-        if str(self.fused_qk_norm_rope) not in ("true", "false", "auto", "True", "False"):
-            raise ConfigError(
-                "attention.fused_qk_norm_rope",
-                f"must be true, false or auto, got {self.fused_qk_norm_rope!r}",
-            )
+        for key in ("strict_kernels", "fused_qk_norm_rope"):
+            if str(getattr(self, key)).lower() not in ("true", "false", "auto"):
+                raise ConfigError(
+                    f"attention.{key}", f"must be true, false or auto, got {_show(getattr(self, key))}"
+                )
 
 
 @dataclass(kw_only=True, slots=True)

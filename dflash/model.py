@@ -27,11 +27,24 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash.attention import AttentionBackend, make_backend, qk_norm_rope
 from dflash.errors import ConfigError
 from dflash.resolve import default_target_layer_ids as default_target_layer_ids  # importable from here
+from dflash.resolve import fused_qk_head_dim_problem
 
 # The spec lives in dflash.spec (no torch model there); importable from here as before.
 from dflash.spec import LAYER_TYPES as LAYER_TYPES
 from dflash.spec import DrafterSpec as DrafterSpec
 from dflash.spec import resolve_spec as resolve_spec
+
+
+def norm_rope(x_BTHD: Tensor, norm: Qwen3RMSNorm, rope: tuple[Tensor, Tensor], fused: bool) -> Tensor:
+    """The attention's per-head RMSNorm, then the rotary embedding, of q or k [B, T, heads, D] ->
+    [B, heads, T, D]. fused: dflash's kernel (dflash.attention.qk_norm_rope: the same arithmetic and
+    roundings, one kernel each way; inputs it would not compute so are refused, never passed to the
+    module path silently), its output in x's dtype; else the module path (float32 under autocast)."""
+    if fused:
+        return qk_norm_rope.qk_norm_rope(x_BTHD, norm.weight, *rope, norm.variance_epsilon).transpose(1, 2)
+    y_BHTD = norm(x_BTHD).transpose(1, 2)
+    y_BHTD, _ = apply_rotary_pos_emb(y_BHTD, y_BHTD, *rope)
+    return y_BHTD
 
 
 class DrafterAttention(nn.Module):
@@ -64,22 +77,9 @@ class DrafterAttention(nn.Module):
         q_BQHD = self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)
         k_BLGD = self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)
         v_BGLD = self.v_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        if backend.fused_qk_norm_rope:
-            # The same arithmetic and roundings as below, one kernel each way per tensor; inputs it
-            # would not compute so are refused (qk_norm_rope.check), never passed to the module path
-            # silently. Its output is in the projections' dtype, the one the attention takes below.
-            q_BHQD = qk_norm_rope.qk_norm_rope(
-                q_BQHD, self.q_norm.weight, *rope_q, self.q_norm.variance_epsilon
-            )
-            k_BGLD = qk_norm_rope.qk_norm_rope(
-                k_BLGD, self.k_norm.weight, *rope_kv, self.k_norm.variance_epsilon
-            )
-            q_BHQD, k_BGLD = q_BHQD.transpose(1, 2), k_BGLD.transpose(1, 2)
-        else:
-            q_BHQD = self.q_norm(q_BQHD).transpose(1, 2)
-            k_BGLD = self.k_norm(k_BLGD).transpose(1, 2)
-            q_BHQD, _ = apply_rotary_pos_emb(q_BHQD, q_BHQD, *rope_q)
-            k_BGLD, _ = apply_rotary_pos_emb(k_BGLD, k_BGLD, *rope_kv)
+        fused = backend.fused_qk_norm_rope
+        q_BHQD = norm_rope(q_BQHD, self.q_norm, rope_q, fused)
+        k_BGLD = norm_rope(k_BLGD, self.k_norm, rope_kv, fused)
         # Under autocast the q/k RMSNorms return float32 (fp32 weight x bf16): attend in v's dtype.
         o_BHQD = backend.attend(q_BHQD.to(v_BGLD.dtype), k_BGLD.to(v_BGLD.dtype), v_BGLD.contiguous(), plan)
         return self.o_proj(o_BHQD.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
@@ -155,11 +155,8 @@ class DFlashDrafter(nn.Module):
             flex_kernels=flex_kernels,
             fused_qk_norm_rope=fused_qk_norm_rope,
         )
-        if fused_qk_norm_rope and not qk_norm_rope.head_dim_supported(spec.head_dim):
-            raise ConfigError(
-                "attention.fused_qk_norm_rope",
-                f"needs a power-of-two head_dim (4 or more); this drafter's is {spec.head_dim}: set it false or auto",
-            )
+        if fused_qk_norm_rope and (problem := fused_qk_head_dim_problem(spec.head_dim)):
+            raise ConfigError("attention.fused_qk_norm_rope", problem)
         qwen3 = spec.qwen3_config()
         # The target's, frozen: non-persistent buffers are outside state_dict and never get grads.
         self.register_buffer("embed_weight_VH", embed_weight_VH.detach(), persistent=False)

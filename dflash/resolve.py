@@ -53,17 +53,18 @@ def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
 def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: int | None = None) -> bool:
     """attention.fused_qk_norm_rope: auto is on wherever dflash's attention kernels run (a GPU, the
     flex backend, flex_kernels resolving to dflash) and the drafter's head dim suits the kernel
-    (head_dim: the drafter's, where the caller knows it); true is refused where they do not run."""
+    (head_dim: the drafter's, where the caller knows it); true is refused where they do not run or
+    with a head dim the kernel cannot take."""
     choice = str(cfg.attention.fused_qk_norm_rope).lower()
     if choice == "false":
         return False
     kernels = resolve_flex_kernels(cfg, device)
     if choice == "auto":
-        from dflash.attention.qk_norm_rope import head_dim_supported
-
         runs = device.type == "cuda" and resolve_backend(cfg, device) == "flex" and kernels == "dflash"
-        return runs and (head_dim is None or head_dim_supported(head_dim))
+        return runs and (head_dim is None or fused_qk_head_dim_problem(head_dim) is None)
     key = "attention.fused_qk_norm_rope"
+    if head_dim is not None and (problem := fused_qk_head_dim_problem(head_dim)):
+        raise ConfigError(key, problem)
     if device.type != "cuda":
         raise ConfigError(
             key,
@@ -78,6 +79,15 @@ def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: i
             "with the flex backend, or set it false or auto",
         )
     return True
+
+
+def fused_qk_head_dim_problem(head_dim: int) -> str | None:
+    """Why dflash's q/k kernel cannot take this head dim (None: it can)."""
+    from dflash.attention.qk_norm_rope import head_dim_supported
+
+    if head_dim_supported(head_dim):
+        return None
+    return f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto"
 
 
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:

@@ -184,6 +184,19 @@ def _target_rope_theta(target_config: Any) -> float:
     return float(theta if theta is not None else getattr(target_config, "rope_theta", 10000.0))
 
 
+def drafter_head_dim(
+    cfg: Any, hidden: int, target_heads: int | None, target_head_dim: int | None
+) -> int | None:
+    """The drafter's head dim: drafter.head_dim, else the target's, else hidden / heads (None where
+    the heads are unknown too: dflash.check reads the target's config.json alone)."""
+    heads = cfg.num_attention_heads or target_heads
+    return (
+        cfg.head_dim
+        or (int(target_head_dim) if target_head_dim else None)
+        or (hidden // heads if heads else None)
+    )
+
+
 def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpec:
     """DrafterConfig (0 / empty = take it from the target) + the target's PretrainedConfig -> sizes."""
     n_target = int(target_config.num_hidden_layers)
@@ -198,7 +211,7 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
         )
     heads = cfg.num_attention_heads or int(target_config.num_attention_heads)
     kv_heads = cfg.num_key_value_heads or int(getattr(target_config, "num_key_value_heads", None) or heads)
-    head_dim = cfg.head_dim or int(getattr(target_config, "head_dim", None) or hidden // heads)
+    head_dim = drafter_head_dim(cfg, hidden, heads, getattr(target_config, "head_dim", None))
     layer_types = drafter_layer_types(cfg)
     vocab = int(target_config.vocab_size)  # DrafterSpec checks mask_token_id against it
     return DrafterSpec(

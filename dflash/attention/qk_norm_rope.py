@@ -35,8 +35,8 @@ from dflash.triton_jit import interpreted, jit_per_mode, unit_stride_last
 
 class Launch(NamedTuple):
     """One kernel's launch: rows (one token's one head: D values) per block, warps per program, and
-    for the backward the programs at most (each sums its rows' share of the weight's gradient into
-    one [D] partial; the partials are summed after: programs x D floats)."""
+    for the backward the programs at most (0: one row block each; each sums its rows' share of the
+    weight's gradient into one [D] partial; the partials are summed after: programs x D floats)."""
 
     rows: int
     num_warps: int
@@ -106,7 +106,9 @@ def _strides3(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
+def qk_norm_rope_forward(
+    x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, launch: Launch = FORWARD
+) -> Tensor:
     """x [B, T, H, D] (unit stride along D), weight [D], cos/sin [B, T, D] -> out [B, T, H, D] in x's
     dtype, contiguous."""
     check(x, weight, cos, sin)
@@ -116,34 +118,34 @@ def qk_norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, ep
     B, T, H, D = x.shape
     out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     rows = B * T * H
-    forward[(_cdiv(rows, FORWARD.rows),)](
+    forward[(_cdiv(rows, launch.rows),)](
         x, weight, cos, sin, out, rows, H, T,
         *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(out),
-        eps, D=D, BLOCK=FORWARD.rows, num_warps=FORWARD.num_warps,
+        eps, D=D, BLOCK=launch.rows, num_warps=launch.num_warps,
     )  # fmt: skip
     return out
 
 
 def qk_norm_rope_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, programs: int | None = None
+    grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, launch: Launch = BACKWARD
 ) -> tuple[Tensor, Tensor]:
     """(dx [B, T, H, D] in x's dtype, contiguous; dweight [D] in the weight's dtype) given the
-    output's gradient; on at most `programs` programs (None: BACKWARD's; 0: one row block per
-    program), each looping over its share of row blocks."""
+    output's gradient; on at most `launch.programs` programs (0: one row block per program), each
+    looping over its share of row blocks."""
     _, backward = _kernels()
     grad, x, cos, sin = unit_stride_last(grad, x, cos, sin)
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H
-    blocks = _cdiv(rows, BACKWARD.rows)
-    per_program = _cdiv(blocks, programs or BACKWARD.programs or blocks)  # 0: a block per program
+    blocks = _cdiv(rows, launch.rows)
+    per_program = _cdiv(blocks, launch.programs or blocks)
     programs = _cdiv(blocks, per_program)
     dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     dw = torch.empty((programs, D), dtype=torch.float32, device=x.device)
     backward[(programs,)](
         grad, x, weight, cos, sin, dx, dw, rows, H, T, per_program,
         *_strides3(grad), *_strides3(x), cos.stride(0), cos.stride(1), *_strides3(dx),
-        eps, D=D, BLOCK=BACKWARD.rows, num_warps=BACKWARD.num_warps,
+        eps, D=D, BLOCK=launch.rows, num_warps=launch.num_warps,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype)
 

@@ -106,8 +106,8 @@ def check_backward_programs_loop_over_their_blocks() -> None:
     x, weight, cos, sin, grad = case(torch.float32, B=2, T=40, H=8, D=32, seed=4)
     blocks = x.shape[0] * x.shape[1] * x.shape[2] // qnr.BACKWARD.rows
     assert blocks == 40 and 3 * -(-blocks // 3) > blocks  # a tail of whole blocks past the rows
-    looped = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, programs=3)
-    single = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, programs=blocks)
+    looped = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, qnr.BACKWARD._replace(programs=3))
+    single = qk_norm_rope_backward(grad, x, weight, cos, sin, EPS, qnr.BACKWARD._replace(programs=0))
     assert torch.equal(looped[0], single[0]) and rel(looped[1], single[1]) < 1e-6
     ref = module_path(x, weight, cos, sin, grad, torch.float64)
     assert rel(looped[0], ref[1]) < 1e-5 and rel(looped[1], ref[2]) < 1e-5
