@@ -129,6 +129,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         resolve_backend,
         resolve_bf16_weights,
         resolve_device,
+        resolve_optimizer_overlap,
     )
 
     try:
@@ -136,7 +137,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     except ConfigError as e:
         report.config_error(e)
     else:
-        for resolve in (resolve_backend, resolve_bf16_weights):
+        for resolve in (resolve_backend, resolve_bf16_weights, resolve_optimizer_overlap):
             try:
                 resolve(cfg, device)
             except ConfigError as e:
