@@ -238,11 +238,7 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     # last step, so the warm-up leaves its last step queued. On the GPU the clock is two CUDA events
     # on the step's stream, one behind the last warm-up step's work and one behind the n-th timed
     # step's: n whole steps of the device's timeline, idle gaps included, none of the refill after a
-    # drain (that is drain_ms below). With train.optimizer_overlap the step's stream is the
-    # trainer's compute stream (the update runs on another one, overlapping the next forward): the
-    # events then sit at the same point of each step, behind its clipping, n periods apart. (Events
-    # on the default stream, which that step leaves empty, timed the host instead: 244.5 ms on the
-    # H200 on 2026-12-04.) Host clocks around the pushes are not: a push returns when
+    # drain (that is drain_ms below). Host clocks around the pushes are not: a push returns when
     # the step before it has been read back, plus however long the host then took to queue the rest
     # of its own step, which differs from push to push (the first fix of this bench timed 222.5 ms
     # for a step whose kernels alone take 262 ms).
@@ -252,13 +248,12 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     anchor_state = trainer.anchor_gen.get_state()  # the next step's anchors: the FLOP count, after
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        stream = trainer.overlap.compute if trainer.overlap is not None else torch.cuda.current_stream()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)  # behind the queued warm-up step
+        start.record()  # behind the queued warm-up step
     t0 = time.perf_counter()
     results = steps(args.steps)  # each push reads back the step queued before it
     if cuda:
-        end.record(stream)  # behind the last timed step
+        end.record()  # behind the last timed step
     host_s = time.perf_counter() - t0
     results += [r for r, _ in ahead.flush()]
     if cuda:

@@ -207,7 +207,7 @@ def free_device(device: str) -> None:
 
 
 def timed(fn: Any, *, warmup: int, iters: int, device: str) -> float:
-    """Seconds per call (common.time_loop: the device drained around the loop, perf_counter)."""
+    """Seconds per call (common.time_loop: CUDA events on GPU, perf_counter on CPU)."""
     return time_loop(fn, device, iters, warmup) / 1000
 
 
