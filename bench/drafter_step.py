@@ -282,7 +282,6 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         "backend": backend,
         "fused_loss": trainer.fused_loss,
         "fused_qk_norm_rope": trainer.model.backend.fused_qk_norm_rope,
-        "optimizer_overlap": trainer.overlap is not None,
         "bf16_weights": trainer.bf16_weights,
         "compile": cfg.attention.compile,
         "step_ms": dt * 1000,

@@ -129,7 +129,6 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         resolve_backend,
         resolve_bf16_weights,
         resolve_device,
-        resolve_optimizer_overlap,
     )
 
     try:
@@ -137,7 +136,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     except ConfigError as e:
         report.config_error(e)
     else:
-        for resolve in (resolve_backend, resolve_bf16_weights, resolve_optimizer_overlap):
+        for resolve in (resolve_backend, resolve_bf16_weights):
             try:
                 resolve(cfg, device)
             except ConfigError as e:

@@ -369,16 +369,10 @@ class TrainConfig:
     a drafter group (pipeline.drafters x nnodes > 1), true averages the gradients in bf16: half the
     all-reduce bytes, and one bf16 rounding more in the averaged gradient, which is why auto leaves a
     group on float32 weights. Needs CUDA."""
-    optimizer_overlap: str = "auto"
-    """true | false | auto (true on a GPU): the optimizer update runs on a CUDA stream of its own, a
-    layer at a time, and the next step's forward waits for each layer's update just before that layer
-    (the step's compute runs on a stream of higher priority, so the update fills its idle moments
-    instead of queueing behind it). The same kernels on the same values: results are bitwise the
-    same either way. Needs CUDA."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for key in ("fused_loss", "bf16_weights", "optimizer_overlap"):
+        for key in ("fused_loss", "bf16_weights"):
             if str(getattr(self, key)).lower() not in ("true", "false", "auto"):
                 raise ConfigError(
                     f"train.{key}", f"must be true, false or auto, got {_show(getattr(self, key))}"

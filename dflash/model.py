@@ -11,7 +11,6 @@ queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true posi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,10 +122,6 @@ def _rms_norm_compiled() -> Any:
     return torch.compile(rms_norm)
 
 
-def _no_wait(group: int) -> None:
-    """DFlashDrafter.weights_ready when nothing updates the weights concurrently."""
-
-
 class DFlashDrafter(nn.Module):
     """Parameter names follow released DFlash drafters (fc, hidden_norm, layers.N..., norm), so
     trainable_state_dict() is what an engine loads next to the target's embedding and head."""
@@ -174,26 +169,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
         self.compiled_norms = False
-        self.weights_ready: Callable[[int], None] | None = None
-        """Called with a group's index (update_groups) just before the forward first uses that
-        group's parameters: the trainer's UpdateStream waits there for the group's update."""
         self.reset_parameters()
-
-    def update_groups(self) -> list[list[nn.Parameter]]:
-        """The trainable parameters in the order the forward first uses them: fc and the hidden
-        norm (group 0), each decoder layer's (1..L), the final norm's (L + 1); forward calls
-        weights_ready(i) before group i. Every trainable parameter is in exactly one group."""
-
-        def trainable(*modules: nn.Module) -> list[nn.Parameter]:
-            return [p for m in modules for p in m.parameters() if p.requires_grad]
-
-        groups = [trainable(self.fc, self.hidden_norm), *(trainable(layer) for layer in self.layers)]
-        groups.append(trainable(self.norm))
-        grouped = {id(p) for g in groups for p in g}
-        left = [p for p in self.parameters() if p.requires_grad and id(p) not in grouped]
-        if left:  # a parameter the forward uses somewhere else: updated before the forward starts
-            groups[0] += left
-        return groups
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -234,8 +210,6 @@ class DFlashDrafter(nn.Module):
             windows=windows,
             sliding_causal=self.spec.sliding_block_causal,
         )
-        ready = self.weights_ready or _no_wait
-        ready(0)
         # Without autocast, compute in the parameters' dtype; under it, autocast picks (no fp32 copies).
         ctx_BSH = self.outer_norm(
             self.hidden_norm,
@@ -251,10 +225,8 @@ class DFlashDrafter(nn.Module):
         rope_kv = self.rotary_emb(h_BQH, pos_BL)
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
 
-        for i, (layer, window) in enumerate(zip(self.layers, windows, strict=True)):
-            ready(1 + i)
+        for layer, window in zip(self.layers, windows, strict=True):
             h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
-        ready(1 + len(self.layers))
         return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
 
     def outer_norm(self, norm: Qwen3RMSNorm, x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ The moments are float32 like the master's, and state_dict is still torch's.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -207,28 +207,11 @@ class KernelAdamW(torch.optim.AdamW):
         self._host_steps = {p: float(s["step"]) for p, s in self.state.items() if "step" in s}
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, only: Collection[torch.Tensor] | None = None) -> Any:  # type: ignore[override]
-        """The update of every parameter with a gradient, or of those in `only` (the trainer's
-        optimizer stream updates the drafter a layer at a time, dflash.trainer.UpdateStream); a
-        subset must be one the kernel takes whole, as the parent's fallback step updates them all."""
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if closure is not None:
             raise ValueError("KernelAdamW takes no closure")
-        chosen = None if only is None else {id(p) for p in only}
-        with_grads = [
-            p
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None and (chosen is None or id(p) in chosen)
-        ]
+        with_grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         unsupported = [p for p in with_grads if not supports(p, self.masters.get(p))]
-        if unsupported and chosen is not None:
-            bad = unsupported[0]
-            raise RuntimeError(
-                f"KernelAdamW cannot update a {bad.dtype} parameter of shape {tuple(bad.shape)} on "
-                f"{bad.device} on its own (its gradient: {bad.grad.dtype if bad.grad is not None else None}, "
-                "contiguous or not), so it cannot update the drafter a layer at a time: run with "
-                "train.optimizer_overlap=false"
-            )
         if unsupported:
             bad = next((p for p in unsupported if p in self.masters), None)
             if bad is not None:
@@ -245,9 +228,7 @@ class KernelAdamW(torch.optim.AdamW):
             return None
         grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
-            params = [
-                p for p in group["params"] if p.grad is not None and (chosen is None or id(p) in chosen)
-            ]
+            params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             for p in params:

@@ -119,20 +119,6 @@ def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
     return s == "true"
 
 
-def resolve_optimizer_overlap(cfg: JobConfig, device: torch.device) -> bool:
-    """train.optimizer_overlap: auto is true on a GPU (CUDA streams; the same results either way)."""
-    s = str(cfg.train.optimizer_overlap).lower()
-    if s == "auto":
-        return device.type == "cuda"
-    if s == "true" and device.type != "cuda":
-        raise ConfigError(
-            "train.optimizer_overlap",
-            f"is true but the drafter runs on {device.type}: the update overlaps the next forward on "
-            "a CUDA stream of its own; use auto or false off the GPU",
-        )
-    return s == "true"
-
-
 def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
     """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
     start = 1 if n_target_layers > 1 else 0

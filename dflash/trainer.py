@@ -36,7 +36,6 @@ from dflash.resolve import (
     resolve_flex_kernels,
     resolve_fused_loss,
     resolve_fused_qk_norm_rope,
-    resolve_optimizer_overlap,
 )
 from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
 
@@ -124,10 +123,7 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_and_step(
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    max_norm: float,
-    update: Callable[[], None] | None = None,
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
 ) -> torch.Tensor:
     """Clip the gradients' global norm to max_norm and take the optimizer step; returns the norm
     before clipping (a device tensor: nothing here waits for the device).
@@ -135,9 +131,7 @@ def clip_and_step(
     A fused optimizer (AdamW(fused=True); the GPU's KernelAdamW is one) scales the gradients
     itself: it divides each by its `grad_scale` inside the update kernel (the hook GradScaler
     unscales through), so the clip factor goes there instead of a separate pass over every gradient
-    (2.3 ms of the 8B step on the H200). Same update as clip_grad_norm_ then step, to the rounding of g / (1 / c) against g * c.
-
-    update: what takes the step instead of optimizer.step() (UpdateStream.update)."""
+    (2.3 ms of the 8B step on the H200). Same update as clip_grad_norm_ then step, to the rounding of g / (1 / c) against g * c."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = total_norm(grads)
     if getattr(optimizer, "defaults", {}).get("fused"):
@@ -145,78 +139,8 @@ def clip_and_step(
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # type: ignore[attr-defined]
     else:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    (update or optimizer.step)()
+    optimizer.step()
     return norm
-
-
-class UpdateStream:
-    """The optimizer's update on a CUDA stream of its own, a group of parameters at a time, overlapping
-    the next step's forward (train.optimizer_overlap).
-
-    The step's own work (forward, loss, backward, clipping) runs on `compute`, a stream of higher
-    priority than `update`. The update waits for the clipping, then updates the drafter's parameter
-    groups in the order the forward uses them (DFlashDrafter.update_groups: fc and the hidden norm,
-    each layer, the final norm), recording an event after each. The next forward waits for a group's
-    event just before it first uses that group (DFlashDrafter.weights_ready). So the forward of layer
-    0 can start as soon as layer 0 is updated, and the later layers' updates (memory-bound, 8 ms of the
-    8B step's 258 on the H200 when it ran alone) take the SMs the forward leaves idle: between its
-    kernels, in the last waves of its matrix products, while the host launches. Same kernels, same
-    values, same order per parameter: results are bitwise those of the serial step.
-
-    Memory crossing streams is handed over explicitly: the caller's inputs and the gradients are
-    recorded on the stream that reads them last (Tensor.record_stream), so the caching allocator
-    does not give their memory to the other stream while it still reads them. Whoever reads the
-    weights or the optimizer's state outside a step (a checkpoint) calls `sync` first."""
-
-    def __init__(self, device: torch.device, groups: list[list[nn.Parameter]]) -> None:
-        least, greatest = 0, -1  # CUDA priorities: lower is more urgent; 0 is the least urgent
-        self.compute = torch.cuda.Stream(device, priority=greatest)
-        self.stream = torch.cuda.Stream(device, priority=least)
-        self.groups = groups
-        self.ready: list[torch.cuda.Event | None] = [None] * len(groups)
-
-    @contextlib.contextmanager
-    def computing(self, *inputs: torch.Tensor) -> Any:
-        """Run the block on the compute stream, after what the caller's stream queued so far (its
-        inputs); the caller's CUDA inputs are kept from reuse until the compute stream is done."""
-        self.compute.wait_stream(torch.cuda.current_stream(self.compute.device))
-        for x in inputs:
-            if x.is_cuda:
-                x.record_stream(self.compute)
-        with torch.cuda.stream(self.compute):
-            yield
-
-    def wait(self, group: int) -> None:
-        """On the current (compute) stream: wait until `group`'s last update is done."""
-        event = self.ready[group]
-        if event is not None:
-            torch.cuda.current_stream(self.compute.device).wait_event(event)
-
-    def update(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        """clip_and_step's `update`: the step of each group on the update stream, queued behind
-        everything queued on the compute stream so far (the backward, the clip factor)."""
-
-        def run() -> None:
-            self.stream.wait_stream(self.compute)
-            with torch.cuda.stream(self.stream):
-                for i, group in enumerate(self.groups):
-                    optimizer.step(only=group)  # type: ignore[call-arg]
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                    self.ready[i] = event
-            read = [p.grad for g in self.groups for p in g if p.grad is not None]
-            scale = getattr(optimizer, "grad_scale", None)
-            for t in read + ([scale] if isinstance(scale, torch.Tensor) else []):
-                t.record_stream(self.stream)
-
-        return run
-
-    def sync(self) -> None:
-        """The current stream waits for both streams: weights and optimizer state as of the last
-        queued step."""
-        current = torch.cuda.current_stream(self.compute.device)
-        current.wait_stream(self.compute)
-        current.wait_stream(self.stream)
 
 
 def lr_factor(step: int, cfg: JobConfig) -> float:
@@ -321,12 +245,6 @@ class DrafterTrainer:
             else torch.optim.AdamW(params, **adamw)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
-        self.overlap: UpdateStream | None = None
-        if resolve_optimizer_overlap(cfg, device):
-            if not isinstance(self.optimizer, KernelAdamW):
-                raise DFlashError("train.optimizer_overlap needs the GPU optimizer (KernelAdamW)")
-            self.overlap = UpdateStream(device, model.update_groups())
-            model.weights_ready = self.overlap.wait
         self.step = 0
         self.anchor_gen = torch.Generator().manual_seed(cfg.run.seed * 1000 + rank)
 
@@ -354,21 +272,7 @@ class DrafterTrainer:
     ) -> QueuedStep:
         """Queue the whole step (forward, loss, backward, clipping, optimizer) without ever waiting for
         the device: a value read back mid-step leaves the GPU idle while the host launches what comes
-        next (tests/dflash/test_trainer_step.py checks it under CUDA's sync debug mode). With
-        train.optimizer_overlap on the UpdateStream's streams."""
-        inputs = (input_ids_BL, loss_mask_BL, seq_lens_B, target_hidden_BLF)
-        if self.overlap is None:
-            return self._queue_step(*inputs)
-        with self.overlap.computing(*inputs):
-            return self._queue_step(*inputs)
-
-    def _queue_step(
-        self,
-        input_ids_BL: torch.Tensor,
-        loss_mask_BL: torch.Tensor,
-        seq_lens_B: torch.Tensor,
-        target_hidden_BLF: torch.Tensor,
-    ) -> QueuedStep:
+        next (tests/dflash/test_trainer_step.py checks it under CUDA's sync debug mode)."""
         t0 = time.perf_counter()
         dev = self.device
         input_ids_BL, loss_mask_BL, seq_lens_B, target_hidden_BLF = (
@@ -404,8 +308,7 @@ class DrafterTrainer:
             out.loss.backward()
         with record_function("dflash.optimizer"):
             lr = self.scheduler.get_last_lr()[0]
-            update = self.overlap.update(self.optimizer) if self.overlap is not None else None
-            grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.train.grad_clip, update)
+            grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.train.grad_clip)
             self.scheduler.step()
         self.step += 1
         # The step's metrics start for the host now, behind this step's work and ahead of the next
@@ -431,14 +334,7 @@ class DrafterTrainer:
             seconds=time.perf_counter() - q.t0,
         )
 
-    def sync(self) -> None:
-        """Order the caller's stream after the queued steps' updates (a no-op without
-        train.optimizer_overlap, where everything runs on the caller's stream)."""
-        if self.overlap is not None:
-            self.overlap.sync()
-
     def state_dict(self) -> dict[str, Any]:
-        self.sync()
         return {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
@@ -449,12 +345,10 @@ class DrafterTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """The drafter's trainable weights as a checkpoint holds them: the float32 masters of the
         weights the model holds in bf16 (train.bf16_weights), so that a resume is exact."""
-        self.sync()
         masters = {n: self.masters[p] for n, p in self.model.named_parameters() if p in self.masters}
         return {**self.model.trainable_state_dict(), **masters}
 
     def load_state_dict(self, state: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
-        self.sync()
         # Into a bf16 weight the copy rounds to nearest, as the optimizer writes it from its master.
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         with torch.no_grad():

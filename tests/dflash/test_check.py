@@ -260,16 +260,6 @@ def test_bf16_weights_off_the_gpu_is_refused_before_anything_starts(tmp_path, ca
     assert rc == 2 and _keys(report) == ["train.bf16_weights"] and "'yes'" in report["errors"][0]["message"]
 
 
-def test_optimizer_overlap_off_the_gpu_is_refused_before_anything_starts(tmp_path, capsys):
-    """train.optimizer_overlap=true puts the update on a CUDA stream: on the CPU demo the check names
-    the key and what to do before any worker starts."""
-    rc, report = _check(
-        capsys, DEMO, *_sets(f"run.runs_root={tmp_path / 'runs'}", "train.optimizer_overlap=true")
-    )
-    assert rc == 2 and _keys(report) == ["train.optimizer_overlap"], report["errors"]
-    assert "use auto or false" in report["errors"][0]["message"]
-
-
 def test_the_fused_qk_norm_rope_without_dflash_kernels_is_refused_before_anything_starts(tmp_path, capsys):
     """attention.fused_qk_norm_rope is part of dflash's attention kernels: on the CPU demo it would
     do nothing, so the check names it, and what to do, before any worker starts."""

@@ -94,28 +94,6 @@ def test_bf16_weights_resolves_on_for_a_single_gpu_drafter_only(repo):
     assert e.value.key == "train.bf16_weights"
 
 
-def test_optimizer_overlap_resolves_on_for_a_gpu_and_is_refused_off_it(repo):
-    """auto: the update on its own CUDA stream wherever the drafter runs on a GPU, off on the CPU;
-    true on the CPU is refused with its key named; a value that is not true/false/auto too."""
-    import torch
-
-    from dflash.resolve import resolve_optimizer_overlap
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    auto = load_config(repo / "configs" / "qwen3-8b.toml")
-    assert resolve_optimizer_overlap(auto, cuda) and not resolve_optimizer_overlap(auto, cpu)
-    off = load_config(repo / "configs" / "qwen3-8b.toml", ["train.optimizer_overlap=false"])
-    assert not resolve_optimizer_overlap(off, cuda)
-    forced = load_config(repo / "configs" / "qwen3-8b.toml", ["train.optimizer_overlap=TRUE"])
-    assert resolve_optimizer_overlap(forced, cuda)
-    with pytest.raises(ConfigError) as e:
-        resolve_optimizer_overlap(forced, cpu)
-    assert e.value.key == "train.optimizer_overlap" and "auto or false" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        load_config(repo / "configs" / "qwen3-8b.toml", ["train.optimizer_overlap=sometimes"])
-    assert e.value.key == "train.optimizer_overlap"
-
-
 def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
     """auto: dflash's own kernels on a GPU, flex's on the CPU (dflash's run there only through Triton's
     interpreter); either when set; a value that is neither is refused with its key named."""

@@ -187,36 +187,3 @@ def test_bf16_autocast_forward_backward_with_sdpa_and_flex_forward():
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
     logits.float().logsumexp(-1).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-
-
-def test_the_forward_waits_for_each_update_group_before_it_first_uses_it():
-    """update_groups holds every trainable parameter once, in the order the forward first uses them,
-    and the forward calls weights_ready(i) before any module of group i runs (the trainer's
-    UpdateStream waits there for that group's update: a layer computed before its wait would read
-    weights the update is still writing)."""
-    spec = tiny_spec()
-    model = build(spec, "sdpa")
-    groups = model.update_groups()
-    assert len(groups) == spec.num_layers + 2
-    flat = [id(p) for g in groups for p in g]
-    trainable = [id(p) for p in model.parameters() if p.requires_grad]
-    assert sorted(flat) == sorted(trainable) and len(set(flat)) == len(flat)
-    group_of = {id(p): i for i, g in enumerate(groups) for p in g}
-    events: list[tuple[str, int]] = []
-    modules = [model.fc, model.hidden_norm, *model.layers, model.norm]
-    for m in modules:
-        owners = {group_of[id(p)] for p in m.parameters()}
-        assert len(owners) == 1
-        (owner,) = owners
-        m.register_forward_pre_hook(lambda mod, args, owner=owner: events.append(("use", owner)))
-    model.weights_ready = lambda i: events.append(("ready", i))
-    ids, feats = batch(spec)
-    model.train()
-    model(ids, feats, ANCHORS, SEQ_LENS).sum().backward()
-    readied: set[int] = set()
-    for kind, i in events:
-        if kind == "ready":
-            readied.add(i)
-        else:
-            assert i in readied, f"group {i} used before its wait: {events}"
-    assert [i for kind, i in events if kind == "ready"] == list(range(len(groups)))

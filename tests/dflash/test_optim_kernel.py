@@ -209,38 +209,12 @@ def check_masters_state_dict_keeps_float32_moments() -> None:
         assert torch.equal(back_masters[a], masters[b]) and torch.equal(a.detach(), b.detach())
 
 
-def check_a_step_a_group_at_a_time_is_the_whole_step() -> None:
-    """step(only=group) for each group in turn (the trainer's update stream does, a layer at a time)
-    moves parameters, moments and step counts exactly as one whole step; a parameter the kernel cannot
-    take is refused by name in a group step, since the parent's fallback would update them all."""
-    whole, parts = _params("cpu"), _params("cpu")
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_whole = optim_kernel.KernelAdamW(whole, block=BLOCK, **kw)
-    opt_parts = optim_kernel.KernelAdamW(parts, block=BLOCK, **kw)
-    groups = [parts[:2], parts[2:3], parts[3:]]
-    for step in range(3):
-        _set_grads([whole, parts], step, 100.0)
-        clip_and_step(opt_whole, whole, 1.0)
-        clip_and_step(opt_parts, parts, 1.0, lambda: [opt_parts.step(only=g) for g in groups])
-        for a, b in zip(parts, whole, strict=True):
-            sa, sb = opt_parts.state[a], opt_whole.state[b]
-            assert float(sa["step"]) == float(sb["step"]) == step + 1
-            for x, y in ((a, b), (sa["exp_avg"], sb["exp_avg"]), (sa["exp_avg_sq"], sb["exp_avg_sq"])):
-                assert torch.equal(x.detach(), y.detach())
-    p64 = nn.Parameter(torch.ones(4, dtype=torch.float64))
-    p64.grad = torch.ones(4, dtype=torch.float64)
-    mixed = optim_kernel.KernelAdamW([p64, *parts[:1]], lr=1e-2)
-    with pytest.raises(RuntimeError, match="train.optimizer_overlap=false"):
-        mixed.step(only=[p64])
-
-
 CHECKS = {
     "against torch": check_kernel_matches_torch_fused_adamw,
     "state_dict": check_state_dict_is_torch_adamw_s,
     "fallback": check_unsupported_parameter_takes_torch_step,
     "masters": check_masters_update_as_float32_parameters,
     "masters state_dict": check_masters_state_dict_keeps_float32_moments,
-    "a group at a time": check_a_step_a_group_at_a_time_is_the_whole_step,
 }
 
 

@@ -262,10 +262,9 @@ def test_bf16_weights_train_as_float32_weights_and_resume_exactly(repo):
     [
         ["attention.flex_kernels=dflash", "attention.fused_qk_norm_rope=false"],
         ["attention.flex_kernels=flex"],
-        ["attention.flex_kernels=dflash"],  # the q/k kernel on: auto; the update overlapped: auto
-        ["attention.flex_kernels=dflash", "train.optimizer_overlap=false"],
+        ["attention.flex_kernels=dflash"],  # the q/k kernel on: auto
     ],
-    ids=["dflash-noqk", "flex", "dflash+qk", "serial-update"],
+    ids=["dflash-noqk", "flex", "dflash+qk"],
 )
 def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(repo, sets):
     """The whole step (anchors, forward, block masks, the fused loss, backward, clipping, fused AdamW)
@@ -338,40 +337,3 @@ def test_the_fused_qk_norm_rope_trains_as_the_module_path(repo):
     for a, b in zip(*runs, strict=True):
         assert abs(a.loss - b.loss) < 2e-3 * abs(b.loss), (a.loss, b.loss)
         assert abs(a.grad_norm - b.grad_norm) < 2e-2 * b.grad_norm, (a.grad_norm, b.grad_norm)
-
-
-@pytest.mark.gpu
-def test_the_update_on_its_own_stream_trains_bitwise_as_the_serial_step(repo):
-    """train.optimizer_overlap on and off, the same batches through StepAhead (one step queued ahead,
-    as the job runs), handed over as CUDA tensors that the caller drops at once: losses, gradient
-    norms, accuracies and weights (the float32 masters) are bitwise the same. With the overlap on,
-    each group's update is held back by about 10 ms of device sleep on the update stream, so the
-    compute stream runs far behind the host: a forward that used a layer before that layer's update
-    ended, or an input or gradient whose memory went to the other stream while still read, would
-    change the numbers."""
-    from dflash.trainer import StepAhead, UpdateStream
-
-    dev = torch.device("cuda")
-    runs = {}
-    for overlap in ("false", "true"):
-        trainer, spec = _trainer(repo, dev, torch.bfloat16, f"train.optimizer_overlap={overlap}")
-        assert isinstance(trainer.overlap, UpdateStream) == (overlap == "true")
-        if trainer.overlap is not None:
-            step = trainer.optimizer.step
-
-            def held_back(*args, step=step, **kwargs):  # noqa: ANN001, ANN202
-                torch.cuda._sleep(int(2e7))  # clock cycles, on the update stream (current here)
-                return step(*args, **kwargs)
-
-            trainer.optimizer.step = held_back
-        ahead = StepAhead(trainer)
-        results = []
-        for b in _batches(spec, 4, torch.bfloat16):
-            results += [r for r, _ in ahead.push(*(x.to(dev) for x in b))]
-        results += [r for r, _ in ahead.flush()]
-        runs[overlap] = ([(r.loss, r.grad_norm, r.acc_per_pos) for r in results], trainer.weights())
-    (serial, serial_w), (overlapped, overlapped_w) = runs["false"], runs["true"]
-    assert len(serial) == 4 and overlapped == serial
-    assert serial_w.keys() == overlapped_w.keys()
-    for name, w in serial_w.items():
-        assert torch.equal(w, overlapped_w[name]), name
