@@ -301,15 +301,21 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         "params_trainable": sum(p.numel() for p in trainer.params),
     }
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, schedule
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         steps(1)  # steady state in the window too: a step already queued when it opens
-        # Shapes recorded: the matrix products' device time and rate by shape (trace_gaps).
-        with profile(activities=activities, record_shapes=True) as prof:
-            steps(args.profile_steps)  # launches profile_steps steps, the last one still queued
-            if cuda:
-                torch.cuda.synchronize()
+        # Shapes recorded: the matrix products' device time and rate by shape (trace_gaps). One
+        # warm-up step of the profiler first: starting it costs the host time, which left the device
+        # idle in the first recorded step (gaps of about 14 ms in that step on the H200, 2026-12-04,
+        # counted as the step's own at 4-6 ms a step in the records before).
+        window = schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
+        with profile(activities=activities, record_shapes=True, schedule=window) as prof:
+            for i in range(1 + args.profile_steps):
+                steps(1)  # the last one stays queued: the sync below runs it inside the window
+                if cuda and i == args.profile_steps:
+                    torch.cuda.synchronize()
+                prof.step()
         ahead.flush()
         trace = trace_report(prof, args.profile_steps) if cuda else {}
         res["profile"] = (

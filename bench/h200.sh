@@ -15,6 +15,8 @@
 #  c3. only when asked: optimizer: bench/optimizer.py --sweep -> $OUT/optimizer.json   ~30 s
 #  c4. only when asked: drafter_step_qk (flex with attention.fused_qk_norm_rope=$H200_QK, default
 #      false: the A/B against c's flex row, where auto turns it on) -> $OUT/drafter_step_qk.json  <= 120 s
+#  c4b. only when asked: drafter_step_ab (flex with the settings in H200_AB_SETS: the A/B against c's
+#      flex row) -> $OUT/drafter_step_ab.json  <= 120 s
 #  c5. only when asked: qk_norm_rope: bench/qk_norm_rope.py --sweep -> $OUT/qk_norm_rope.json      ~60 s
 #  c6. only when asked: attention_backward: bench/attention_backward.py (H200_ABW_ARGS) -> $OUT/attention_backward.json
 #      bench/head_loss.py               -> $OUT/head_loss.json         <= 20 s   (log: benches.log)
@@ -125,6 +127,12 @@ if asked drafter_step_qk; then
   step drafter_step_qk "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
     "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
     --set "attention.fused_qk_norm_rope=${H200_QK:-false}" --out "$OUT/drafter_step_qk.json"
+fi
+# Only when asked: the flex step with other config settings (H200_AB_SETS, e.g.
+# "--set train.loss_chunk_tokens=16384"), profiled as drafter_step: an A/B inside one call.
+if asked drafter_step_ab; then
+  step drafter_step_ab "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
+    bash -c "\"$PY\" bench/drafter_step.py ${TINY[*]} --backends flex --steps 5 --warmup 2 --profile --out \"$OUT/drafter_step_ab.json\" ${H200_AB_SETS:?drafter_step_ab needs H200_AB_SETS}"
 fi
 # Only when asked: the q/k norm + rotary kernel against the module path inductor compiles, and swept.
 if asked qk_norm_rope; then
@@ -320,7 +328,7 @@ step pipeline "$PIPE_S" "$OUT/pipeline.log" \
 
 echo
 echo "=== summary (t=${SECONDS}s) ==="
-for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk qk_norm_rope attention_backward optimizer head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-20s %s\n' "$s" "${STATUS[$s]:-not run}"; done
+for s in pytest attention flex_tune drafter_step drafter_step_before drafter_step_qk drafter_step_ab qk_norm_rope attention_backward optimizer head_loss compile_cache compile_cache_8b cache_probe pipeline; do printf '%-20s %s\n' "$s" "${STATUS[$s]:-not run}"; done
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -338,11 +346,12 @@ if p:
         print(f"  {k:24} {fmt(s[k]):>10}")
     print(f"  capture speedup          {fmt(s['capture_speedup_vs_baseline'], '{:.2f}x'):>10}  (goal >= 1.25x)")
     print(f"  pipeline efficiency      {fmt(s['pipeline_efficiency'], '{:.1%}'):>10}  (goal >= 95%)")
-for name in ("drafter_step_before.json", "drafter_step.json", "drafter_step_qk.json"):
+for name in ("drafter_step_before.json", "drafter_step.json", "drafter_step_qk.json", "drafter_step_ab.json"):
     for r in (load(name) or {}).get("results", []):
         split = (r.get("profile") or {}).get("per_step_ms") or {}
         print(f"  {name[:-5]:20} {r['backend']:5} fused_loss={r['fused_loss']!s:5} qk={r.get('fused_qk_norm_rope')!s:5} {r['step_ms']:8.1f} ms "
-              f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%} (first count {r.get('mfu_first_count', r['mfu']):.1%})  " + " ".join(f"{k}={v:.1f}" for k, v in split.items()))
+              f"{r['seq_tokens_per_s']:8.0f} tok/s  MFU {r['mfu']:.1%} (first count {r.get('mfu_first_count', r['mfu']):.1%})  " + " ".join(f"{k}={v:.1f}" for k, v in split.items())
+              + f"  busy={(r.get('profile') or {}).get('device_ms_per_step', 0):.1f} gaps={((r.get('profile') or {}).get('trace') or {}).get('gaps_ms_per_step', 0):.2f}")
 t = load("flex_tune.json")
 for kind, b in ((t or {}).get("best") or {}).items():
     print(f"  flex_tune {kind}: {b.get('combined_fwd_bwd_tflops', 0):.0f} TFLOP/s fwd+bwd tuned "
