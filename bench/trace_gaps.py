@@ -10,8 +10,8 @@ Three things bench/drafter_step.py --profile cannot see from kernel totals alone
   - per phase (the trainer's dflash.forward / loss / backward / optimizer ranges, by time) the device
     time of compiled code (launched inside a compiled region) and of eager ops;
   - the eager kernels by the op that launched them: what is left outside torch.compile;
-  - every kernel by name, with its device time per phase (each device event counted once: the
-    profiler's own per-op kernel lists counted some kernels many times over);
+  - every kernel launched in the window by name, with its device time per phase (each device event
+    counted once: the profiler's own per-op kernel lists counted some kernels many times over);
   - the timeline: each phase range's host start and end beside the device's span of the kernels
     launched in it (which phase the host was late for);
   - host waits: runtime or driver calls that took long on the host (cudaStreamSynchronize,
@@ -143,17 +143,20 @@ def analyse(
     )
     eager_ops: dict[str, float] = defaultdict(float)
     products: dict[str, float] = defaultdict(float)  # label: device us of its kernels
-    # Every device event once, by name and phase (of its launch; of its start when unlinked).
+    # Every device event launched in the window once, by name and the phase of its launch. Unlinked
+    # ones (no launch recorded: launched before the window opened, as the step queued ahead of a
+    # window that starts in the job's steady state) count in `phases` only: the window's steps
+    # are the ones it launched.
     by_kernel: dict[str, dict[str, Any]] = {}
     for i, k in enumerate(kernels):
         dur = float(k.get("dur", 0.0))
-        row = by_kernel.setdefault(k["name"], {"us": 0.0, "calls": 0, "phases": defaultdict(float)})
-        row["us"] += dur
-        row["calls"] += 1
-        row["phases"][phase_at(launch_ts[i]) if i in launch_ts else phase_at(float(k["ts"]))] += dur
         if i not in stacks:
             per_phase[phase_at(float(k["ts"]))]["unlinked"] += dur
             continue
+        row = by_kernel.setdefault(k["name"], {"us": 0.0, "calls": 0, "phases": defaultdict(float)})
+        row["us"] += dur
+        row["calls"] += 1
+        row["phases"][phase_at(launch_ts[i])] += dur
         stack = stacks[i]
         product = next((n for n in reversed(stack) if n in product_flops), None)
         if product is not None:
