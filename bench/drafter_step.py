@@ -306,9 +306,9 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         steps(1)  # steady state in the window too: a step already queued when it opens
         # Shapes recorded: the matrix products' device time and rate by shape (trace_gaps). One
-        # warm-up step of the profiler first: starting it costs the host time, which left the device
-        # idle in the first recorded step (gaps of about 14 ms in that step on the H200, 2026-12-04,
-        # counted as the step's own at 4-6 ms a step in the records before).
+        # warm-up step of the profiler first: starting it waits for the device, which then idled in
+        # the first recorded step while the host caught up (the 3-6 ms of "host gaps" a step in the
+        # records before 2026-12-04; 0.02 ms a step with the warm-up, on the H200).
         window = schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
         with profile(activities=activities, record_shapes=True, schedule=window) as prof:
             for i in range(1 + args.profile_steps):
