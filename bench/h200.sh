@@ -115,27 +115,23 @@ fi
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"
 step drafter_step "$(budget 150 "$(after drafter_step)")" "$OUT/benches.log" \
   "$PY" bench/drafter_step.py "${TINY[@]}" --steps 5 --warmup 2 --profile --out "$OUT/drafter_step.json" ${H200_STEP_ARGS:-}
-# Only when asked: the same step with the loss unfused and inductor's default flex options (the before).
-if asked drafter_step_before; then
-  step drafter_step_before "$(budget 90 "$(after drafter_step)")" "$OUT/benches.log" \
-    "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
-    --set train.fused_loss=false --set attention.tuned_kernels=false --out "$OUT/drafter_step_before.json"
-fi
-# Only when asked: the flex step with dflash's q/k norm + rotary kernel off (H200_QK=false, the default;
-# auto turns it on in drafter_step's flex row) or on: the A/B against that row.
-if asked drafter_step_qk; then
-  step drafter_step_qk "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
-    "$PY" bench/drafter_step.py "${TINY[@]}" --backends flex --steps 5 --warmup 2 --profile \
-    --set "attention.fused_qk_norm_rope=${H200_QK:-false}" --out "$OUT/drafter_step_qk.json"
-fi
-# Only when asked: the flex step with other config settings (H200_AB_SETS, e.g.
-# "--set train.loss_chunk_tokens=16384"), profiled as drafter_step: an A/B inside one call.
+# flex_step NAME CAP SETTINGS: only when asked, drafter_step's flex row with other settings (a shell
+# string of --set options), profiled the same way -> $OUT/NAME.json: an A/B against that row in one call.
+flex_step() {
+  asked "$1" || return 0
+  step "$1" "$(budget "$2" "$(after drafter_step)")" "$OUT/benches.log" \
+    bash -c "\"$PY\" bench/drafter_step.py ${TINY[*]} --backends flex --steps 5 --warmup 2 --profile --out \"$OUT/$1.json\" $3"
+}
+# The before: the loss unfused and inductor's default flex options.
+flex_step drafter_step_before 90 "--set train.fused_loss=false --set attention.tuned_kernels=false"
+# dflash's q/k norm + rotary kernel off (H200_QK=false, the default; auto turns it on in the row) or on.
+flex_step drafter_step_qk 120 "--set attention.fused_qk_norm_rope=${H200_QK:-false}"
+# Any other settings: H200_AB_SETS, e.g. "--set train.loss_chunk_tokens=16384".
 if asked drafter_step_ab && [ -z "${H200_AB_SETS:-}" ]; then
   echo "drafter_step_ab: H200_AB_SETS is empty (the settings to compare, e.g. --set key=value): not run"
   STATUS[drafter_step_ab]="not run: H200_AB_SETS empty"
-elif asked drafter_step_ab; then
-  step drafter_step_ab "$(budget 120 "$(after drafter_step)")" "$OUT/benches.log" \
-    bash -c "\"$PY\" bench/drafter_step.py ${TINY[*]} --backends flex --steps 5 --warmup 2 --profile --out \"$OUT/drafter_step_ab.json\" $H200_AB_SETS"
+else
+  flex_step drafter_step_ab 120 "${H200_AB_SETS:-}"
 fi
 # Only when asked: the q/k norm + rotary kernel against the module path inductor compiles, and swept.
 if asked qk_norm_rope; then

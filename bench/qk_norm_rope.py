@@ -131,7 +131,7 @@ def main() -> None:
             xd, gd = x.detach(), g.transpose(1, 2)
             for rpp, warps, programs in SWEEP:
                 fwd_launch, bwd_launch = qk.Launch(rpp, warps), qk.Launch(rpp, warps, programs)
-                p = programs or -(-B * T * heads // rpp)
+                p, _ = qk.backward_grid(B * T * heads, bwd_launch)
                 f_ms = bench_ms(
                     lambda launch=fwd_launch: qk.qk_norm_rope_forward(
                         xd, norm.weight, cos, sin, 1e-6, launch

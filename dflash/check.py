@@ -25,7 +25,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dflash.config import (
     JobConfig,
@@ -38,6 +38,9 @@ from dflash.config import (
 from dflash.errors import ConfigError, DFlashError
 from dflash.exiting import without_final_gc
 from dflash.rundir import unusable_reason
+
+if TYPE_CHECKING:
+    import torch
 
 ENTRY = "dflash.launch"
 """The entry point the checked config is for: shm_bytes is that launcher's hidden-state queue."""
@@ -108,19 +111,21 @@ def check(
         report.warn(w.key, w.problem)
     for key, message in host_problems(cfg, nnodes, node_rank, rdzv_endpoint)[2]:
         report.error(key, message)
-    _check_devices(cfg, report)
+    device = _check_devices(cfg, report)
     _check_writable("run.runs_root", cfg.run.runs_root, report)
     if cfg.data.cache_dir:
         _check_writable("data.cache_dir", cfg.data.cache_dir, report)
     _check_data(cfg, report)
     sizes = _target_sizes(cfg, report)
     if sizes is not None:
-        report.shm_bytes = _shm_bytes(cfg, sizes["layers"], sizes["hidden"], report)
-    _check_fused_qk_norm_rope(cfg, sizes, report)
+        report.shm_bytes = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
+    if device is not None:
+        _check_fused_qk_norm_rope(cfg, device, sizes, report)
     return report
 
 
-def _check_devices(cfg: JobConfig, report: Report) -> None:
+def _check_devices(cfg: JobConfig, report: Report) -> torch.device | None:
+    """The job's device (None where run.device is refused) and what depends on it, reported."""
     import torch
 
     from dflash.pipeline import worker_devices
@@ -131,6 +136,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         resolve_device,
     )
 
+    device: torch.device | None = None
     try:
         device = resolve_device(cfg)
     except ConfigError as e:
@@ -165,11 +171,12 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
         if problem is not None:
             report.config_error(problem)
     if len(report.errors) > before:
-        return  # worker_devices below would refuse the same lists
+        return device  # worker_devices below would refuse the same lists
 
     targets, drafters = worker_devices(cfg)
     for problem in placement_problems(cfg, targets, drafters, device_count=None):
         report.config_error(problem)
+    return device
 
 
 def _check_data(cfg: JobConfig, report: Report) -> None:
@@ -187,9 +194,17 @@ def _check_writable(key: str, path: str, report: Report) -> None:
         report.error(key, f"{path}: {reason}; choose another path or fix its permissions")
 
 
-def _target_sizes(cfg: JobConfig, report: Report) -> dict[str, int | None] | None:
-    """The target's layers and hidden size, and its attention heads and head dim where its
-    config.json has them (None where not), from config.json alone (no weights)."""
+class TargetSizes(NamedTuple):
+    """The target's sizes as dflash.check reads them from config.json alone (no weights): heads and
+    head dim None where the file does not give them (the tiny demo target has no file)."""
+
+    layers: int
+    hidden: int
+    heads: int | None = None
+    head_dim: int | None = None
+
+
+def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
     if cfg.target.path == "tiny":
         from dflash.demo import check_tiny
 
@@ -198,12 +213,7 @@ def _target_sizes(cfg: JobConfig, report: Report) -> dict[str, int | None] | Non
         except DFlashError as e:
             report.error("target.tiny_layers" if cfg.target.tiny_layers < 1 else "target.tiny_hidden", str(e))
             return None
-        return {
-            "layers": cfg.target.tiny_layers,
-            "hidden": cfg.target.tiny_hidden,
-            "heads": None,
-            "head_dim": None,
-        }
+        return TargetSizes(cfg.target.tiny_layers, cfg.target.tiny_hidden)
     from dflash.target import check_model_dir
 
     try:
@@ -227,28 +237,21 @@ def _target_sizes(cfg: JobConfig, report: Report) -> dict[str, int | None] | Non
         except (KeyError, TypeError, ValueError):
             return None
 
-    return {
-        "layers": layers,
-        "hidden": hidden,
-        "heads": optional("num_attention_heads"),
-        "head_dim": optional("head_dim"),
-    }
+    return TargetSizes(layers, hidden, optional("num_attention_heads"), optional("head_dim"))
 
 
-def _check_fused_qk_norm_rope(cfg: JobConfig, sizes: dict[str, int | None] | None, report: Report) -> None:
+def _check_fused_qk_norm_rope(
+    cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report
+) -> None:
     """attention.fused_qk_norm_rope as the trainer resolves it, with the drafter's head dim where the
     target's config.json gives it (dflash.spec.drafter_head_dim): true where dflash's kernels do not
     run, or with a head dim the kernel cannot take, is refused here rather than in a worker."""
-    from dflash.resolve import resolve_device, resolve_fused_qk_norm_rope
+    from dflash.resolve import resolve_fused_qk_norm_rope
     from dflash.spec import drafter_head_dim
 
-    try:
-        device = resolve_device(cfg)
-    except ConfigError:
-        return  # _check_devices reported it
-    head_dim = None
-    if sizes is not None:
-        head_dim = drafter_head_dim(cfg.drafter, int(sizes["hidden"] or 0), sizes["heads"], sizes["head_dim"])
+    head_dim = (
+        None if sizes is None else drafter_head_dim(cfg.drafter, sizes.hidden, sizes.heads, sizes.head_dim)
+    )
     try:
         resolve_fused_qk_norm_rope(cfg, device, head_dim)
     except ConfigError as e:

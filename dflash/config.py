@@ -143,6 +143,14 @@ Fraction = Range(ge=0, le=1)
 SEED_MAX = 2**32 - 1
 
 
+def check_tristate(section: Any, *keys: str) -> None:
+    """Each key of the section is true, false or auto (any case: the resolvers lowercase it)."""
+    for key in keys:
+        value = getattr(section, key)
+        if str(value).lower() not in ("true", "false", "auto"):
+            raise ConfigError(f"{section.SECTION}.{key}", f"must be true, false or auto, got {_show(value)}")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     SECTION: ClassVar[str] = "run"
@@ -282,11 +290,7 @@ class AttentionConfig:
             raise ConfigError(
                 "attention.flex_kernels", f"must be flex, dflash or auto, got {self.flex_kernels!r}"
             )
-        for key in ("strict_kernels", "fused_qk_norm_rope"):
-            if str(getattr(self, key)).lower() not in ("true", "false", "auto"):
-                raise ConfigError(
-                    f"attention.{key}", f"must be true, false or auto, got {_show(getattr(self, key))}"
-                )
+        check_tristate(self, "strict_kernels", "fused_qk_norm_rope")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -372,11 +376,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for key in ("fused_loss", "bf16_weights"):
-            if str(getattr(self, key)).lower() not in ("true", "false", "auto"):
-                raise ConfigError(
-                    f"train.{key}", f"must be true, false or auto, got {_show(getattr(self, key))}"
-                )
+        check_tristate(self, "fused_loss", "bf16_weights")
         if len(self.betas) != 2:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 

@@ -59,11 +59,13 @@ def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: i
     if choice == "false":
         return False
     kernels = resolve_flex_kernels(cfg, device)
+    # On a GPU first: off it resolve_backend refuses a flex backend, which is _check_devices' to report.
+    runs = device.type == "cuda" and resolve_backend(cfg, device) == "flex" and kernels == "dflash"
+    problem = fused_qk_head_dim_problem(head_dim) if head_dim is not None else None
     if choice == "auto":
-        runs = device.type == "cuda" and resolve_backend(cfg, device) == "flex" and kernels == "dflash"
-        return runs and (head_dim is None or fused_qk_head_dim_problem(head_dim) is None)
+        return runs and problem is None
     key = "attention.fused_qk_norm_rope"
-    if head_dim is not None and (problem := fused_qk_head_dim_problem(head_dim)):
+    if problem:
         raise ConfigError(key, problem)
     if device.type != "cuda":
         raise ConfigError(
@@ -71,7 +73,7 @@ def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: i
             f"is part of dflash's attention kernels, which run on a GPU only (this job runs on {device.type}): "
             "set it false or auto",
         )
-    if cfg.attention.backend == "sdpa" or kernels != "dflash":
+    if not runs:
         raise ConfigError(
             key,
             f"is part of dflash's attention kernels, which this job does not run (attention.backend="

@@ -126,6 +126,14 @@ def qk_norm_rope_forward(
     return out
 
 
+def backward_grid(rows: int, launch: Launch) -> tuple[int, int]:
+    """(programs, row blocks per program) of the backward over `rows` rows: at most launch.programs
+    programs (0: one block each), the blocks shared out evenly."""
+    blocks = _cdiv(rows, launch.rows)
+    per_program = _cdiv(blocks, launch.programs or blocks)
+    return _cdiv(blocks, per_program), per_program
+
+
 def qk_norm_rope_backward(
     grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, launch: Launch = BACKWARD
 ) -> tuple[Tensor, Tensor]:
@@ -137,9 +145,7 @@ def qk_norm_rope_backward(
     assert cos.stride() == sin.stride(), "cos and sin share one layout"
     B, T, H, D = x.shape
     rows = B * T * H
-    blocks = _cdiv(rows, launch.rows)
-    per_program = _cdiv(blocks, launch.programs or blocks)
-    programs = _cdiv(blocks, per_program)
+    programs, per_program = backward_grid(rows, launch)
     dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     dw = torch.empty((programs, D), dtype=torch.float32, device=x.device)
     backward[(programs,)](
