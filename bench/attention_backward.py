@@ -63,8 +63,9 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         default="",
-        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order];...' (the first is also "
-        "timed in every order; a 7th field is its ORDER, an index into ORDERS)",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order[,dq]];...' (the first is "
+        "also timed in every order; a 7th field is its ORDER, an index into ORDERS; an 8th its DQ: 1 sums "
+        "dQ in the dK/dV programs)",
     )
     ap.add_argument(
         "--fwd-tiles",
@@ -104,7 +105,7 @@ def main() -> None:
     if args.fwd_tiles:
         fwd_cand = [tuple(int(x) for x in c.split(",")) for c in args.fwd_tiles.split(";")]
     if tiny:
-        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2)]
+        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2), (32, 64, 64, 32, 4, 1, 2, 1)]
         fwd_cand = [(32, 64, 4, 1)]
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D
@@ -156,6 +157,7 @@ def main() -> None:
             )
             if bwd == "dflash":
                 t = plan.tables  # the plan dflash's candidates run on
+        reference = results.get("flex", results["dflash"])  # each backward candidate's gradients against it
         if "flex" in results:
             row["kernel_vs_flex_rel_err"] = {
                 n: rel_err(a, b)
@@ -188,6 +190,9 @@ def main() -> None:
             flop=2.5 * fwd_flop,
             device=device,
             reps=reps,
+            check=lambda got, reference=reference: {
+                n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), got, reference[1:], strict=True)
+            },
         )
         report["layers"].append(row)
     report["interpreted"] = os.environ.get("TRITON_INTERPRET") == "1"
@@ -207,10 +212,12 @@ def time_candidates(
     flop: float,
     device: str,
     reps: int,
+    check: Any = None,
 ) -> list[dict[str, Any]]:
     """run(tiles, order) timed for each candidate tile tuple: the first in every launch order, the
     others in their own ORDER. Entries: tiles (with the order timed), order, {key}_ms and
-    {key}_tflops, or the error of a tile that does not fit (shared memory, registers)."""
+    {key}_tflops, check(its result) as rel_err when given, or the error of a tile that does not fit
+    (shared memory, registers)."""
     from dflash.attention.triton_attention import ORDERS
 
     entries = []
@@ -226,10 +233,13 @@ def time_candidates(
                 return run(tiles, order)
 
             try:
-                call()
+                got = call()
+                if check is not None:
+                    entry["rel_err"] = check(got)
                 ms = bench_ms(call, device, reps)
                 entry.update({f"{key}_ms": ms, f"{key}_tflops": flop / ms / 1e9})
-                print(f"{name} {c} {order}: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s)", flush=True)
+                errs = f", rel_err {entry['rel_err']}" if "rel_err" in entry else ""
+                print(f"{name} {c} {order}: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s){errs}", flush=True)
             except Exception as e:
                 entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 print(f"{name} {c} {order}: {entry['error']}", flush=True)
