@@ -63,9 +63,8 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         default="",
-        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order[,dq]];...' (the first is "
-        "also timed in every order; a 7th field is its ORDER, an index into ORDERS; an 8th its DQ: 1 sums "
-        "dQ in the dK/dV programs)",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order];...' (the first is also "
+        "timed in every order; a 7th field is its ORDER, an index into ORDERS)",
     )
     ap.add_argument(
         "--fwd-tiles",
@@ -105,7 +104,7 @@ def main() -> None:
     if args.fwd_tiles:
         fwd_cand = [tuple(int(x) for x in c.split(",")) for c in args.fwd_tiles.split(";")]
     if tiny:
-        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2), (32, 64, 64, 32, 4, 1, 2, 1)]
+        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2)]
         fwd_cand = [(32, 64, 4, 1)]
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D

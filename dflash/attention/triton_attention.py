@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dflash.triton_jit import interpreted, jit_per_mode, unit_stride_last
+from dflash.triton_jit import jit_per_mode, unit_stride_last
 
 
 class Tiles(NamedTuple):
@@ -61,14 +61,10 @@ class Tiles(NamedTuple):
     num_stages: int = 2
     ORDER: int = 0
     """The launch order, an index into ORDERS."""
-    DQ: int = 0
-    """Where dQ is summed (DQ_MODES): 0, programs of its own; 1, the dK/dV programs add each tile's
-    part into a float32 buffer (one more product per step, no dQ programs)."""
 
     def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
-        """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row
-        (no dQ programs when the dK/dV programs sum dQ)."""
-        return -(-kv_len // self.BLOCK_N1), 0 if self.DQ else -(-q_len // self.BLOCK_M2)
+        """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
+        return -(-kv_len // self.BLOCK_N1), -(-q_len // self.BLOCK_M2)
 
 
 class FwdTiles(NamedTuple):
@@ -244,12 +240,8 @@ def _kernels() -> Any:
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-        EVEN: tl.constexpr, DQ_SUM: tl.constexpr,
+        EVEN: tl.constexpr,
     ):  # fmt: skip
-        """dK/dV programs, then (DQ_SUM 0) dQ programs; DQ_SUM 1 or 2: the dK/dV programs add each
-        step's dQ part (unscaled) into DQ, a float32 [B * HQ, Q_LEN, D] buffer: 1 through its TMA
-        descriptor (a bulk reduce per tile), 2 by atomic adds on its pointer (Triton's interpreter
-        has no descriptor reduce)."""
         RCP_LN2: tl.constexpr = 1.44269504
         MULT1: tl.constexpr = SPARSE // BLOCK_M1
         MULT2: tl.constexpr = SPARSE // BLOCK_N2
@@ -322,16 +314,7 @@ def _kernels() -> Any:
                         dv += tl.dot(pT.to(do.dtype), do)
                         dpT = tl.dot(v, tl.trans(do))
                         dsT = pT * (dpT - di[None, :])
-                        ds_lo = dsT.to(qT.dtype)
-                        dk += tl.dot(ds_lo, tl.trans(qT))
-                        if DQ_SUM == 1:
-                            start_m = blk * SPARSE + (it % MULT1) * BLOCK_M1  # rows past Q_LEN: clipped
-                            dq_part = tl.dot(tl.trans(ds_lo), k)
-                            DQ.atomic_add([z * HQ + h, start_m, 0], dq_part[None, :, :])
-                        elif DQ_SUM == 2:
-                            dq_part = tl.dot(tl.trans(ds_lo), k)
-                            dq_ptrs = DQ + (row0 + offs_m)[:, None] * D + offs_d[None, :]
-                            tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None], sem="relaxed")
+                        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
             dv_ptrs = (
                 DV
                 + z.to(tl.int64) * sdv_z
@@ -348,7 +331,7 @@ def _kernels() -> Any:
                 + offs_d[None, :]
             )
             tl.store(dk_ptrs, (dk * SM_SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
-        elif DQ_SUM == 0:
+        else:
             # dQ of BLOCK_M2 rows of query head h: the partial sparse blocks (masked), then the full.
             e2 = e - NUM_DKV
             z = e2 // (HQ * M2_TILES)
@@ -475,8 +458,7 @@ def schedule(
         return torch.cat([dkv_ids, dq_ids], dim=2).reshape(-1).to(torch.int32)
     q_steps_BN = (tables.q_num + tables.full_q_num)[:, 0, :].to(torch.int64)  # [B, key sparse blocks]
     dkv_BN = q_steps_BN[:, torch.arange(n1, device=dev) * tiles.BLOCK_N1 // sparse]
-    dkv_cost = DKV_COST + (1 if tiles.DQ else 0)  # summing dQ: one more product per step
-    dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * dkv_cost * tiles.BLOCK_N1 * tiles.BLOCK_M1)
+    dkv_BN = dkv_BN * (gqa * (sparse // tiles.BLOCK_M1) * DKV_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1)
     dkv = (dkv_BN[:, None, :] + PROGRAM_COST * tiles.BLOCK_N1 * tiles.BLOCK_M1).expand(B, kv_heads, n1)
     kv_steps_BM = (tables.kv_num + tables.full_kv_num)[:, 0, :].to(torch.int64)  # [B, query sparse blocks]
     dq_BM = kv_steps_BM[:, torch.arange(m2, device=dev) * tiles.BLOCK_M2 // sparse]
@@ -509,10 +491,6 @@ def check_tiles(tiles: Tiles | FwdTiles, sparse: int) -> None:
         )
     if not 0 <= tiles.ORDER < len(ORDERS):
         raise ValueError(f"attention tile ORDER {tiles.ORDER} is not an index into {ORDERS}")
-    if isinstance(tiles, Tiles) and tiles.DQ not in (0, 1):
-        raise ValueError(
-            f"attention tile DQ {tiles.DQ} must be 0 (dQ programs) or 1 (summed by the dK/dV programs)"
-        )
 
 
 _SCHEDULES: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Tensor]] = {}
@@ -565,7 +543,6 @@ def attention_backward(
     q, k, v, grad_out, out = unit_stride_last(q, k, v, grad_out, out)
     lse = lse.contiguous()
     delta = torch.empty(B, HQ, QL, dtype=torch.float32, device=q.device)
-    dq_sum = torch.zeros(B * HQ, QL, D, dtype=torch.float32, device=q.device) if tiles.DQ else None
     delta_rows[(-(-QL // 64), B * HQ)](
         out, grad_out, delta, QL, HQ, *out.stride()[:3], *grad_out.stride()[:3], D=D, BLOCK=64
     )
@@ -580,17 +557,12 @@ def attention_backward(
     )
     n1, m2 = tiles.programs(QL, KL)
     t = tables
-    dq_sum_mode = 0 if dq_sum is None else 2 if interpreted() else 1
     backward[(sched.numel(),)](
         q,
         k,
         v,
         grad_out,
-        dq
-        if dq_sum is None
-        else dq_sum
-        if dq_sum_mode == 2
-        else tma_descriptor(dq_sum, [1, tiles.BLOCK_M1, D]),
+        dq,
         dk,
         dv,
         lse,
@@ -628,20 +600,10 @@ def attention_backward(
         BLOCK_M2=tiles.BLOCK_M2,
         BLOCK_N2=tiles.BLOCK_N2,
         EVEN=QL % sparse == 0 and KL % sparse == 0,
-        DQ_SUM=dq_sum_mode,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if dq_sum is not None:
-        torch.mul(dq_sum.view(B, HQ, QL, D), scale, out=dq)  # scaled and rounded in one pass, in q's layout
     return dq, dk, dv
-
-
-def tma_descriptor(x: Tensor, block: list[int]) -> Any:
-    """A host-side TMA descriptor of x (contiguous) for tiles of `block`."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(x, block)
 
 
 def forward_schedule(

@@ -192,8 +192,6 @@ def test_tiles_the_kernels_cannot_run_are_refused_before_a_launch():
         assert "flex_tuned.json" in str(e.value)
     with pytest.raises(ValueError, match="ORDER"):
         check_tiles(Tiles(ORDER=3), 128)
-    with pytest.raises(ValueError, match="DQ 2"):
-        check_tiles(Tiles(DQ=2), 128)
     anchors, lens = anchors_and_lens()
     q, k, v, _ = inputs()
     _, tables = block_mask_and_tables(
@@ -277,28 +275,6 @@ def check_schedule_is_every_program_once_longest_first() -> None:
         assert w == sorted(w, reverse=True)
 
 
-def check_summed_dq_schedule_has_only_dkv_programs() -> None:
-    """Tiles(DQ=1): the dK/dV programs sum dQ, so the launch is theirs alone, every one once, most
-    work first, each step weighted by five products."""
-    anchors, lens = anchors_and_lens()
-    _, tables = block_mask_and_tables(
-        anchors, lens, context_len=S, block_size=K, window=None, causal_block=False
-    )
-    tiles = Tiles(BLOCK_M1=32, BLOCK_N1=64, DQ=1)
-    assert tiles.programs(A * K, S + A * K) == (math.ceil((S + A * K) / 64), 0)
-    sched = schedule(tables, H, G, A * K, S + A * K, 128, tiles).tolist()
-    n_dkv = 2 * G * math.ceil((S + A * K) / 64)
-    assert sorted(sched) == list(range(n_dkv))
-    q_steps = (tables.q_num + tables.full_q_num)[:, 0].tolist()
-    n1 = n_dkv // (2 * G)
-    works = [q_steps[e // (G * n1)][e % n1 * 64 // 128] for e in sched]
-    assert works == sorted(works, reverse=True) and works[0] > works[-1]
-    for order in ("grid", "grouped"):
-        assert sorted(schedule(tables, H, G, A * K, S + A * K, 128, tiles, order=order).tolist()) == list(
-            range(n_dkv)
-        )
-
-
 def check_backend_is_the_kernels(compiled_region: bool) -> None:
     """FlexBackend(kernels="dflash"): dflash's forward and backward, against float64 autograd:
     eagerly, and inside a compiled region as the trainer's layers call them."""
@@ -355,12 +331,6 @@ CHECKS = {
         None, False, Tiles(BLOCK_M1=16, BLOCK_N1=128, BLOCK_M2=32, BLOCK_N2=128)
     ),
     "schedule": check_schedule_is_every_program_once_longest_first,
-    "dq summed by the dk/dv programs": lambda: (
-        check_kernel_matches_float64(None, False, DEFAULT_TILES._replace(DQ=1)),
-        check_kernel_matches_float64(200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, ORDER=2, DQ=1)),
-        check_kernel_matches_float64(None, False, Tiles(BLOCK_M1=32, BLOCK_N1=64, ORDER=2, DQ=1), True),
-    ),
-    "dq summed: the schedule": check_summed_dq_schedule_has_only_dkv_programs,
     "forward, full": lambda: check_forward_matches_float64(None, False, DEFAULT_FWD_TILES),
     "forward, sliding": lambda: check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=128, BLOCK_N=32)),
     "whole blocks, grouped order": lambda: (
@@ -384,9 +354,8 @@ CHECKS = {
 @pytest.mark.parametrize("window", [None, 2048])
 def test_dflash_kernels_match_flex_on_gpu(window):
     """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
-    with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, flex's tiles in grouped order, and
-    dQ summed by the dK/dV programs through TMA reduces at two tile sizes) against flex's own compiled
-    kernels."""
+    with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and flex's tiles in grouped order) against flex's
+    own compiled kernels."""
     torch.manual_seed(0)
     ctx, block, num = 4096, 16, 512
     anchors = torch.stack([torch.sort(torch.randperm(ctx - 1)[:num] + 1).values for _ in range(2)])
@@ -396,16 +365,12 @@ def test_dflash_kernels_match_flex_on_gpu(window):
     k = torch.randn(2, 8, ctx + num * block, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    kind = "full" if window is None else "sliding"
-    grouped = {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}
-    small = {"kernel_bwd_BLOCK_M1": 64, "kernel_bwd_BLOCK_N1": 64, "kernel_bwd_num_warps": 4}
+    grouped = {"full" if window is None else "sliding": {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
     results = []
     for backend in (
         FlexBackend(),
         FlexBackend(kernels="dflash"),
-        FlexBackend(kernels="dflash", kernel_options={kind: grouped}),
-        FlexBackend(kernels="dflash", kernel_options={kind: {**grouped, "kernel_bwd_DQ": 1}}),
-        FlexBackend(kernels="dflash", kernel_options={kind: {**small, "kernel_bwd_DQ": 1}}),
+        FlexBackend(kernels="dflash", kernel_options=grouped),
     ):
         plan = backend.prepare(
             anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window]
