@@ -2,8 +2,11 @@
 
 A block = [token at the anchor, mask x (K-1)], embedded with the target's frozen embedding. The k
 captured target hidden states are fused once: RMSNorm(Linear(k*H_t -> H)). Every layer projects the
-SAME fused context into extra keys/values (context features are not updated across layers);
-queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true positions (context
+SAME fused context into extra keys/values (context features are not updated across layers), so
+the context's keys and values of all layers are one product (context_kv), the layers' k_proj and
+v_proj weights side by side: one [S, H] x [H, layers * 2 * kv] product forward and one input
+gradient backward, where a product per layer over [context; block] rows needed the context's copy
+in every layer's input and four adds of its gradient. Queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true positions (context
 0..S-1, block token j of anchor a at a + j), GQA, pre-norm residuals. The attention backend
 (flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.attention.mask).
 """
@@ -65,18 +68,22 @@ class DrafterAttention(nn.Module):
     def forward(
         self,
         block_BQH: Tensor,
-        ctx_BSH: Tensor,
+        ctx_kv_BSC: Tensor,
         rope_q: tuple[Tensor, Tensor],
         rope_kv: tuple[Tensor, Tensor],
         backend: AttentionBackend,
         plan: Any,
     ) -> Tensor:
+        """ctx_kv_BSC: this layer's context keys then values, [B, S, 2 * kv_heads * head_dim]
+        (DFlashDrafter.context_kv); the block's own are projected here."""
         B, Q, _ = block_BQH.shape
-        kv_in_BLH = torch.cat([ctx_BSH, block_BQH], dim=1)
-        L = kv_in_BLH.shape[1]
+        ctx_k_BSC, ctx_v_BSC = ctx_kv_BSC.chunk(2, dim=-1)
         q_BQHD = self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)
-        k_BLGD = self.k_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim)
-        v_BGLD = self.v_proj(kv_in_BLH).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        k_BLC = torch.cat([ctx_k_BSC, self.k_proj(block_BQH).to(ctx_k_BSC.dtype)], dim=1)
+        v_BLC = torch.cat([ctx_v_BSC, self.v_proj(block_BQH).to(ctx_v_BSC.dtype)], dim=1)
+        L = k_BLC.shape[1]
+        k_BLGD = k_BLC.view(B, L, self.kv_heads, self.head_dim)
+        v_BGLD = v_BLC.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         fused = backend.fused_qk_norm_rope
         q_BHQD = norm_rope(q_BQHD, self.q_norm, rope_q, fused)
         k_BGLD = norm_rope(k_BLGD, self.k_norm, rope_kv, fused)
@@ -96,13 +103,15 @@ class DrafterLayer(nn.Module):
     def forward(
         self,
         h_BQH: Tensor,
-        ctx_BSH: Tensor,
+        ctx_kv_BSC: Tensor,
         rope_q: tuple[Tensor, Tensor],
         rope_kv: tuple[Tensor, Tensor],
         backend: AttentionBackend,
         plan: Any,
     ) -> Tensor:
-        h_BQH = h_BQH + self.self_attn(self.input_layernorm(h_BQH), ctx_BSH, rope_q, rope_kv, backend, plan)
+        h_BQH = h_BQH + self.self_attn(
+            self.input_layernorm(h_BQH), ctx_kv_BSC, rope_q, rope_kv, backend, plan
+        )
         return h_BQH + self.mlp(self.post_attention_layernorm(h_BQH))
 
 
@@ -225,9 +234,21 @@ class DFlashDrafter(nn.Module):
         rope_kv = self.rotary_emb(h_BQH, pos_BL)
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
 
-        for layer, window in zip(self.layers, windows, strict=True):
-            h_BQH = layer(h_BQH, ctx_BSH, rope_q, rope_kv, self.backend, plans[window])
+        ctx_kv = self.context_kv(ctx_BSH).chunk(len(self.layers), dim=-1)
+        for layer, window, ctx_kv_BSC in zip(self.layers, windows, ctx_kv, strict=True):
+            h_BQH = layer(h_BQH, ctx_kv_BSC, rope_q, rope_kv, self.backend, plans[window])
         return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
+
+    def context_kv(self, ctx_BSH: Tensor) -> Tensor:
+        """The context's keys and values of every layer, [B, S, layers * 2 * kv_heads * head_dim]:
+        layer i's k_proj then v_proj outputs, layer after layer, in one product (the weights
+        concatenated; their gradients flow back to each layer's k_proj and v_proj)."""
+        w = torch.cat(
+            [p.weight for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        )
+        if not torch.is_autocast_enabled(ctx_BSH.device.type):
+            ctx_BSH = ctx_BSH.to(w.dtype)
+        return F.linear(ctx_BSH, w)
 
     def outer_norm(self, norm: Qwen3RMSNorm, x: Tensor) -> Tensor:
         """The norms outside the decoder layers (the context's and the final one), compiled when the

@@ -78,6 +78,64 @@ def test_sdpa_and_eager_drafters_agree_on_hidden_states_and_grads(sliding_block_
         )
 
 
+def published_forward(model: DFlashDrafter, ids, feats, anchors, seq_lens) -> torch.Tensor:
+    """The published DFlash layer, written out: each layer's k_proj and v_proj over the rows
+    [context; normed block] (the model computes the context's part of all layers in one product)."""
+    from dflash.model import norm_rope
+
+    B, S_ = ids.shape
+    A, K = anchors.shape[1], model.spec.block_size
+    windows = [model.spec.window(i) for i in range(model.spec.num_layers)]
+    plans = model.backend.prepare(
+        anchors,
+        seq_lens,
+        context_len=S_,
+        block_size=K,
+        windows=windows,
+        sliding_causal=model.spec.sliding_block_causal,
+    )
+    ctx = model.hidden_norm(model.fc(feats))
+    h = torch.nn.functional.embedding(model.block_ids(ids, anchors), model.embed_weight_VH).to(ctx.dtype)
+    pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(K)).view(B, A * K)
+    rope_kv = model.rotary_emb(h, torch.cat([torch.arange(S_).expand(B, S_), pos], dim=1))
+    rope_q = (rope_kv[0][:, S_:], rope_kv[1][:, S_:])
+    for layer, window in zip(model.layers, windows, strict=True):
+        att, x = layer.self_attn, layer.input_layernorm(h)
+        kv_in = torch.cat([ctx, x], dim=1)
+        L = kv_in.shape[1]
+        q = norm_rope(att.q_proj(x).view(B, A * K, att.heads, att.head_dim), att.q_norm, rope_q, False)
+        k = norm_rope(att.k_proj(kv_in).view(B, L, att.kv_heads, att.head_dim), att.k_norm, rope_kv, False)
+        v = att.v_proj(kv_in).view(B, L, att.kv_heads, att.head_dim).transpose(1, 2)
+        o = model.backend.attend(q, k, v.contiguous(), plans[window])
+        h = h + att.o_proj(o.transpose(1, 2).reshape(B, A * K, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h).view(B, A, K, -1)
+
+
+def test_the_context_keys_and_values_in_one_product_are_the_published_layers():
+    """context_kv (every layer's context keys and values in one product) against the published
+    layer written out, in float64: the same hidden states and the same gradients for every
+    parameter, each layer's k_proj and v_proj included."""
+    spec = tiny_spec()
+    model = build(spec, "eager").double()
+    ids, feats = batch(spec)
+    feats = feats.double()
+    results = []
+    for forward in (model.forward, lambda *a: published_forward(model, *a)):
+        model.zero_grad()
+        hidden = forward(ids, feats, ANCHORS, SEQ_LENS)
+        (hidden * torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden)).sum().backward()
+        results.append((hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (h, g), (h_ref, g_ref) = results
+    torch.testing.assert_close(h, h_ref, atol=1e-12, rtol=1e-10)
+    assert g.keys() == g_ref.keys() and any("k_proj" in n for n in g)
+    for name in g:
+        assert g[name].abs().max() > 0 or "lm_head" in name, name
+        torch.testing.assert_close(
+            g[name], g_ref[name], atol=1e-12, rtol=1e-9, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def test_context_features_matter_only_before_the_anchor():
     """Changing target features at or after a block's anchor must not change that block."""
     spec = tiny_spec()
