@@ -63,13 +63,14 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         default="",
-        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order];...' (the first is also "
-        "timed in every order; a 7th field is its ORDER, an index into ORDERS)",
+        help="candidates instead of CANDIDATES: 'M1,N1,M2,N2,warps,stages[,order[,tma]];...' (the first is "
+        "also timed in every order; a 7th field is its ORDER, an index into ORDERS; an 8th its TMA: 1 copies "
+        "the tiles the loops step over by TMA)",
     )
     ap.add_argument(
         "--fwd-tiles",
         default="",
-        help="forward candidates instead of FWD_CANDIDATES: 'M,N,warps,stages[,order];...'",
+        help="forward candidates instead of FWD_CANDIDATES: 'M,N,warps,stages[,order[,tma]];...'",
     )
     ap.add_argument(
         "--write-table",
@@ -104,8 +105,8 @@ def main() -> None:
     if args.fwd_tiles:
         fwd_cand = [tuple(int(x) for x in c.split(",")) for c in args.fwd_tiles.split(";")]
     if tiny:
-        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2)]
-        fwd_cand = [(32, 64, 4, 1)]
+        cand = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 1, 2), (32, 64, 64, 32, 4, 1, 0, 1)]
+        fwd_cand = [(32, 64, 4, 1), (32, 64, 4, 1, 0, 1)]
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D
     )
@@ -156,7 +157,7 @@ def main() -> None:
             )
             if bwd == "dflash":
                 t = plan.tables  # the plan dflash's candidates run on
-        reference = results.get("flex", results["dflash"])  # each backward candidate's gradients against it
+        reference = results.get("flex", results["dflash"])  # each candidate's output or gradients against it
         if "flex" in results:
             row["kernel_vs_flex_rel_err"] = {
                 n: rel_err(a, b)
@@ -175,6 +176,7 @@ def main() -> None:
             flop=fwd_flop,
             device=device,
             reps=reps,
+            check=lambda got, reference=reference: {"out": rel_err(got[0], reference[0])},
         )
         with torch.no_grad():
             out, lse = attention_forward(q, k, v, t, scale=D**-0.5, sparse=128)

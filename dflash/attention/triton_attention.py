@@ -61,6 +61,9 @@ class Tiles(NamedTuple):
     num_stages: int = 2
     ORDER: int = 0
     """The launch order, an index into ORDERS."""
+    TMA: int = 0
+    """1: the tiles the loops step over (q and dO in dK/dV programs, k and v in dQ programs) come in
+    by TMA bulk copies (tma_descriptor) instead of per-thread loads."""
 
     def programs(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(key tiles per kv head, query tiles per head): the dK/dV and dQ programs per batch row."""
@@ -77,6 +80,8 @@ class FwdTiles(NamedTuple):
     num_stages: int = 3
     ORDER: int = 0
     """The launch order, an index into ORDERS."""
+    TMA: int = 0
+    """1: the key and value tiles come in by TMA bulk copies (tma_descriptor)."""
 
     def programs(self, q_len: int) -> int:
         """Query tiles per head: the forward's programs per (batch, head)."""
@@ -152,13 +157,13 @@ def _kernels() -> Any:
 
     @triton.jit
     def dflash_attention_forward(
-        Q, K, V, OUT, LSE, SCHED,
+        Q, K, V, KD, VD, OUT, LSE, SCHED,
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, CTX_LO, CTX_HI, OWN_LO, OWN_HI,
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, so_z, so_h, so_m,
         s_kvnum_z, s_kvidx_z, s_kvidx_m, s_ctx_z,
         HQ, Q_LEN, KV_LEN, M_TILES, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """out and natural-log lse of BLOCK_M rows of query head h: an online softmax over the
         row tile's partial sparse blocks (masked), then its full ones."""
@@ -196,10 +201,14 @@ def _kernels() -> Any:
                 idx_ptr = FULL_KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
             for it in range(0, num * MULT):
                 blk = tl.load(idx_ptr + it // MULT)
-                offs_n = blk * SPARSE + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
+                start_n = blk * SPARSE + (it % MULT) * BLOCK_N
+                offs_n = start_n + tl.arange(0, BLOCK_N)
                 kT_ptrs = k_ptr + offs_n[None, :] * sk_n + offs_d[:, None]
                 v_ptrs = v_ptr + offs_n[:, None] * sv_n + offs_d[None, :]
-                if EVEN:
+                if TMA:  # rows past KV_LEN come in as 0, as the bounded loads' other=0.0
+                    kT = tl.trans(KD.load([z, g, start_n, 0]).reshape([BLOCK_N, D]))
+                    v = VD.load([z, g, start_n, 0]).reshape([BLOCK_N, D])
+                elif EVEN:
                     kT = tl.load(kT_ptrs)
                     v = tl.load(v_ptrs)
                 else:
@@ -231,7 +240,7 @@ def _kernels() -> Any:
 
     @triton.jit
     def dflash_attention_backward(
-        Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SCHED,
+        Q, K, V, DO, QD, KD, VD, DOD, DQ, DK, DV, LSE, DELTA, SCHED,
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
         CTX_LO, CTX_HI, OWN_LO, OWN_HI,
         sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n, sdo_z, sdo_h, sdo_m,
@@ -240,7 +249,7 @@ def _kernels() -> Any:
         HQ, HKV, Q_LEN, KV_LEN, N1_TILES, M2_TILES, NUM_DKV, SM_SCALE, QK_SCALE,
         D: tl.constexpr, GQA: tl.constexpr, SPARSE: tl.constexpr,
         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-        EVEN: tl.constexpr,
+        EVEN: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         RCP_LN2: tl.constexpr = 1.44269504
         MULT1: tl.constexpr = SPARSE // BLOCK_M1
@@ -286,11 +295,15 @@ def _kernels() -> Any:
                         idx_ptr = FULL_Q_IDX + z * s_qidx_z + nb * s_qidx_n
                     for it in range(0, num * MULT1):
                         blk = tl.load(idx_ptr + it // MULT1)
-                        offs_m = blk * SPARSE + (it % MULT1) * BLOCK_M1 + tl.arange(0, BLOCK_M1)
+                        start_m = blk * SPARSE + (it % MULT1) * BLOCK_M1
+                        offs_m = start_m + tl.arange(0, BLOCK_M1)
                         m_ok = offs_m < Q_LEN
                         qT_ptrs = q_ptr + offs_m[None, :] * sq_m + offs_d[:, None]
                         do_ptrs = do_ptr + offs_m[:, None] * sdo_m + offs_d[None, :]
-                        if EVEN:
+                        if TMA:
+                            qT = tl.trans(QD.load([z, h, start_m, 0]).reshape([BLOCK_M1, D]))
+                            do = DOD.load([z, h, start_m, 0]).reshape([BLOCK_M1, D])
+                        elif EVEN:
                             qT = tl.load(qT_ptrs)
                             do = tl.load(do_ptrs)
                         else:
@@ -379,10 +392,14 @@ def _kernels() -> Any:
                     idx_ptr = FULL_KV_IDX + z * s_kvidx_z + mb * s_kvidx_m
                 for it in range(0, num * MULT2):
                     blk = tl.load(idx_ptr + it // MULT2)
-                    offs_n = blk * SPARSE + (it % MULT2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                    start_n = blk * SPARSE + (it % MULT2) * BLOCK_N2
+                    offs_n = start_n + tl.arange(0, BLOCK_N2)
                     kT_ptrs = k_ptr + offs_n[None, :] * sk_n + offs_d[:, None]
                     vT_ptrs = v_ptr + offs_n[None, :] * sv_n + offs_d[:, None]
-                    if EVEN:
+                    if TMA:
+                        kT = tl.trans(KD.load([z, g, start_n, 0]).reshape([BLOCK_N2, D]))
+                        vT = tl.trans(VD.load([z, g, start_n, 0]).reshape([BLOCK_N2, D]))
+                    elif EVEN:
                         kT = tl.load(kT_ptrs)
                         vT = tl.load(vT_ptrs)
                     else:
@@ -491,6 +508,8 @@ def check_tiles(tiles: Tiles | FwdTiles, sparse: int) -> None:
         )
     if not 0 <= tiles.ORDER < len(ORDERS):
         raise ValueError(f"attention tile ORDER {tiles.ORDER} is not an index into {ORDERS}")
+    if tiles.TMA not in (0, 1):
+        raise ValueError(f"attention tile TMA {tiles.TMA} must be 0 or 1")
 
 
 _SCHEDULES: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Tensor]] = {}
@@ -557,11 +576,22 @@ def attention_backward(
     )
     n1, m2 = tiles.programs(QL, KL)
     t = tables
+    tma = bool(tiles.TMA) and tma_ready(q, k, v, grad_out)
     backward[(sched.numel(),)](
         q,
         k,
         v,
         grad_out,
+        *(
+            (
+                tma_descriptor(q, tiles.BLOCK_M1),
+                tma_descriptor(k, tiles.BLOCK_N2),
+                tma_descriptor(v, tiles.BLOCK_N2),
+                tma_descriptor(grad_out, tiles.BLOCK_M1),
+            )
+            if tma
+            else (q, k, v, grad_out)
+        ),
         dq,
         dk,
         dv,
@@ -600,10 +630,27 @@ def attention_backward(
         BLOCK_M2=tiles.BLOCK_M2,
         BLOCK_N2=tiles.BLOCK_N2,
         EVEN=QL % sparse == 0 and KL % sparse == 0,
+        TMA=tma,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return dq, dk, dv
+
+
+def tma_ready(*ts: Tensor) -> bool:
+    """TMA can copy tiles of these [B, heads, rows, D] tensors: 16-byte aligned base and strides
+    (the layers' tensors are; a view that is not takes the per-thread loads)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in ts
+    )
+
+
+def tma_descriptor(x: Tensor, rows: int) -> Any:
+    """A host-side TMA descriptor of x [B, heads, rows, D] (unit stride along D, any other strides)
+    for one head's tiles of `rows` rows: block [1, 1, rows, D]; rows past the end read as 0."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
 
 
 def forward_schedule(
@@ -664,10 +711,12 @@ def attention_forward(
         lambda: forward_schedule(tables, HQ, HKV, QL, sparse, tiles, order),
     )
     t = tables
+    tma = bool(tiles.TMA) and tma_ready(k, v)
     forward[(sched.numel(),)](
         q,
         k,
         v,
+        *((tma_descriptor(k, tiles.BLOCK_N), tma_descriptor(v, tiles.BLOCK_N)) if tma else (k, v)),
         out,
         lse,
         sched,
@@ -698,6 +747,7 @@ def attention_forward(
         BLOCK_M=tiles.BLOCK_M,
         BLOCK_N=tiles.BLOCK_N,
         EVEN=QL % sparse == 0 and KL % sparse == 0,
+        TMA=tma,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -192,6 +192,8 @@ def test_tiles_the_kernels_cannot_run_are_refused_before_a_launch():
         assert "flex_tuned.json" in str(e.value)
     with pytest.raises(ValueError, match="ORDER"):
         check_tiles(Tiles(ORDER=3), 128)
+    with pytest.raises(ValueError, match="TMA 2"):
+        check_tiles(FwdTiles(TMA=2), 128)
     anchors, lens = anchors_and_lens()
     q, k, v, _ = inputs()
     _, tables = block_mask_and_tables(
@@ -339,6 +341,15 @@ CHECKS = {
         ),
         check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=64, BLOCK_N=64, ORDER=2), True),
     ),
+    "tma copies": lambda: (
+        check_kernel_matches_float64(None, False, DEFAULT_TILES._replace(TMA=1)),
+        check_kernel_matches_float64(
+            200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, TMA=1)
+        ),
+        check_kernel_matches_float64(None, False, Tiles(BLOCK_M1=32, BLOCK_N1=64, ORDER=2, TMA=1), True),
+        check_forward_matches_float64(None, False, DEFAULT_FWD_TILES._replace(TMA=1)),
+        check_forward_matches_float64(200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128, TMA=1), True),
+    ),
     "forward, sliding causal": lambda: check_forward_matches_float64(
         200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128)
     ),
@@ -355,7 +366,7 @@ CHECKS = {
 def test_dflash_kernels_match_flex_on_gpu(window):
     """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
     with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and flex's tiles in grouped order) against flex's
-    own compiled kernels."""
+    own compiled kernels; and the tiles by TMA copies."""
     torch.manual_seed(0)
     ctx, block, num = 4096, 16, 512
     anchors = torch.stack([torch.sort(torch.randperm(ctx - 1)[:num] + 1).values for _ in range(2)])
@@ -365,12 +376,15 @@ def test_dflash_kernels_match_flex_on_gpu(window):
     k = torch.randn(2, 8, ctx + num * block, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    grouped = {"full" if window is None else "sliding": {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
+    kind = "full" if window is None else "sliding"
+    grouped = {kind: {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
+    tma = {kind: {"kernel_fwd_TMA": 1, "kernel_bwd_TMA": 1}}
     results = []
     for backend in (
         FlexBackend(),
         FlexBackend(kernels="dflash"),
         FlexBackend(kernels="dflash", kernel_options=grouped),
+        FlexBackend(kernels="dflash", kernel_options=tma),
     ):
         plan = backend.prepare(
             anchors.cuda(), lens.cuda(), context_len=ctx, block_size=block, windows=[window]
