@@ -31,10 +31,12 @@ product per step) was measured on the H200 on 2026-12-03 and lost: 7.55 ms again
 On the CPU the job never calls these; the tests run them through Triton's interpreter
 (dflash.triton_jit) against float64 autograd of the dense-mask reference.
 
-Status (H200, 2026-12-03, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
-1.46 ms (full layer) / 1.21 (sliding) against flex's 1.51 / 1.25, backward 4.28-4.31 / 3.48-3.57
-against flex's 5.04 / 3.95; forward + backward 321-336 / 306-311 effective TFLOP/s. The job's
-default on a GPU (attention.flex_kernels = auto).
+TMA (a tile option, FwdTiles.TMA / Tiles.TMA): the tiles the loops step over come in by bulk copies
+through host-side descriptors over the tensors' own strides (tma_descriptor), rows past the end as 0.
+
+Status (H200, 2026-12-04, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
+1.40 ms (full layer, TMA) / 1.16 (sliding, TMA) against flex's 1.50 / 1.26, backward 4.27 (TMA) /
+3.55 against flex's 5.03 / 3.97. The job's default on a GPU (attention.flex_kernels = auto).
 """
 
 from __future__ import annotations
