@@ -4,13 +4,15 @@ A probe for design choices, not the step's measurement (that is bench/drafter_st
 --profile reports the step's own products by shape): for each linear of the step, its forward
 (F.linear, as the layers call it), input gradient and weight gradient, timed alone in bf16 with
 CUDA events, with TFLOP/s; then the same work as one product where two linears read the same
-input (k_proj + v_proj, gate_proj + up_proj): whether concatenating their weights would be faster.
+input (k_proj + v_proj over the block, gate_proj + up_proj): whether concatenating their weights
+would be faster. The context's keys and values of all layers are one product in the step
+(DFlashDrafter.context_kv): "context kv", against one layer's k_proj over the context ("k_proj ctx").
 
     python bench/matmul_shapes.py --out $OUT/matmul_shapes.json
 
 Shapes (Qwen3-8B drafter of configs/qwen3-8b.toml at the bench's 2 x 4096 tokens, 512 anchors of 16):
-block tokens 16,384, key/value tokens 24,576 (context 8,192 + block), hidden 4096, 32/8 heads of 128,
-intermediate 12,288, fc 5 x 4096 -> 4096 over the context, LM head 151,936 x 4096 over a loss chunk.
+block tokens 16,384, context tokens 8,192, 5 layers, hidden 4096, 32/8 heads of 128, intermediate
+12,288, fc 5 x 4096 -> 4096 over the context, LM head 151,936 x 4096 over a loss chunk.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ sys.path.insert(0, str(REPO))  # dflash, for the report's atomic write (bench/co
 from common import default_out, report_header, time_loop, write_report  # noqa: E402  (bench/, the script's own directory)
 
 H, HQ, G, D, FI, V = 4096, 32, 8, 128, 12288, 151936
-N_BLOCK, N_KV, N_CTX, CHUNK, N_TARGET = 16384, 24576, 8192, 8192, 5
+N_BLOCK, N_CTX, CHUNK, N_TARGET, LAYERS = 16384, 8192, 8192, 5, 5
 
 # (name, tokens M, in K, out N, passes): passes are the products the step runs for the linear.
 LINEARS = [
     ("q_proj", N_BLOCK, H, HQ * D, ("fwd", "dgrad", "wgrad")),
-    ("k_proj", N_KV, H, G * D, ("fwd", "dgrad", "wgrad")),
-    ("v_proj", N_KV, H, G * D, ("fwd", "dgrad", "wgrad")),
-    ("kv fused", N_KV, H, 2 * G * D, ("fwd", "dgrad", "wgrad")),
+    ("k_proj", N_BLOCK, H, G * D, ("fwd", "dgrad", "wgrad")),
+    ("v_proj", N_BLOCK, H, G * D, ("fwd", "dgrad", "wgrad")),
+    ("kv fused", N_BLOCK, H, 2 * G * D, ("fwd", "dgrad", "wgrad")),
+    ("context kv", N_CTX, H, LAYERS * 2 * G * D, ("fwd", "dgrad", "wgrad")),
+    ("k_proj ctx", N_CTX, H, G * D, ("fwd", "dgrad", "wgrad")),
     ("o_proj", N_BLOCK, HQ * D, H, ("fwd", "dgrad", "wgrad")),
     ("gate_proj", N_BLOCK, H, FI, ("fwd", "dgrad", "wgrad")),
     ("up_proj", N_BLOCK, H, FI, ("fwd", "dgrad", "wgrad")),

@@ -6,7 +6,8 @@ SAME fused context into extra keys/values (context features are not updated acro
 the context's keys and values of all layers are one product (context_kv), the layers' k_proj and
 v_proj weights side by side: one [S, H] x [H, layers * 2 * kv] product forward and one input
 gradient backward, where a product per layer over [context; block] rows needed the context's copy
-in every layer's input and four adds of its gradient. Queries come from the block tokens only. Per-head q/k RMSNorm, RoPE at true positions (context
+in every layer's input and (layers - 1) adds of its gradient. Queries come from the block tokens
+only. Per-head q/k RMSNorm, RoPE at true positions (context
 0..S-1, block token j of anchor a at a + j), GQA, pre-norm residuals. The attention backend
 (flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.attention.mask).
 """

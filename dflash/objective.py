@@ -327,19 +327,20 @@ class _HeadCrossEntropy(torch.autograd.Function):
 class _TakeRows(torch.autograd.Function):
     """x_NH.index_select(0, sel), its backward writing each row's gradient (index_copy_) where
     index_select's adds it (index_add_: float atomics, 0.53 ms of the 8B step on the H200). The
-    same gradient: sel's rows are distinct but for the padding's repeats of row 0, whose gradients
-    are exactly zero (weight 0), and row 0 (block position 0, the given anchor) is never trained."""
+    same gradient: sel's first n rows are distinct (the trained positions); the rows after them are
+    the padding's, whose gradients are exactly zero (weight 0), so they are left out."""
 
     @staticmethod
-    def forward(ctx: Any, x_NH: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(sel)
+    def forward(ctx: Any, x_NH: torch.Tensor, sel: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.save_for_backward(sel[:n])
         ctx.rows = x_NH.shape[0]
         return x_NH.index_select(0, sel)
 
     @staticmethod
-    def backward(ctx: Any, grad_nH: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad_nH: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (sel,) = ctx.saved_tensors
-        return grad_nH.new_zeros(ctx.rows, grad_nH.shape[1]).index_copy_(0, sel, grad_nH), None
+        grad_NH = grad_nH.new_zeros(ctx.rows, grad_nH.shape[1])
+        return grad_NH.index_copy_(0, sel, grad_nH[: sel.shape[0]]), None, None
 
 
 def trained_count(valid_BAK: torch.Tensor) -> HostCopy:
@@ -392,7 +393,7 @@ def dflash_loss(
         pad = LOSS_ROW_MULTIPLE - n % LOSS_ROW_MULTIPLE
         sel = torch.cat([sel, sel.new_zeros(pad)])
         weights_N = torch.cat([weights_N, weights_N.new_zeros(pad)])
-    hidden_NH = _TakeRows.apply(hidden_BAKH.reshape(-1, H), sel)
+    hidden_NH = _TakeRows.apply(hidden_BAKH.reshape(-1, H), sel, n)
     labels_N = labels_BAK.reshape(-1).index_select(0, sel)
     total, correct_N = _HeadCrossEntropy.apply(
         hidden_NH, head_weight_VH, labels_N, weights_N, chunk_tokens, fused, kernel

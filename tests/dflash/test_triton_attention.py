@@ -277,6 +277,27 @@ def check_schedule_is_every_program_once_longest_first() -> None:
         assert w == sorted(w, reverse=True)
 
 
+def check_tma_copies_are_made(*checks: Any) -> None:
+    """Each check with TMA tiles, and its launches really took the TMA path: descriptors were made
+    (tma_ready falls back to the per-thread loads silently)."""
+    from dflash.attention import triton_attention as ta
+
+    real, made = ta.tma_descriptor, []
+
+    def counting(x: torch.Tensor, rows: int) -> Any:
+        made.append(rows)
+        return real(x, rows)
+
+    ta.tma_descriptor = counting
+    try:
+        for check in checks:
+            before = len(made)
+            check()
+            assert len(made) > before, "no TMA descriptor was made: the per-thread loads ran"
+    finally:
+        ta.tma_descriptor = real
+
+
 def check_backend_is_the_kernels(compiled_region: bool) -> None:
     """FlexBackend(kernels="dflash"): dflash's forward and backward, against float64 autograd:
     eagerly, and inside a compiled region as the trainer's layers call them."""
@@ -341,14 +362,16 @@ CHECKS = {
         ),
         check_forward_matches_float64(200, False, FwdTiles(BLOCK_M=64, BLOCK_N=64, ORDER=2), True),
     ),
-    "tma copies": lambda: (
-        check_kernel_matches_float64(None, False, DEFAULT_TILES._replace(TMA=1)),
-        check_kernel_matches_float64(
+    "tma copies": lambda: check_tma_copies_are_made(
+        lambda: check_kernel_matches_float64(None, False, DEFAULT_TILES._replace(TMA=1)),
+        lambda: check_kernel_matches_float64(
             200, True, Tiles(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, TMA=1)
         ),
-        check_kernel_matches_float64(None, False, Tiles(BLOCK_M1=32, BLOCK_N1=64, ORDER=2, TMA=1), True),
-        check_forward_matches_float64(None, False, DEFAULT_FWD_TILES._replace(TMA=1)),
-        check_forward_matches_float64(200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128, TMA=1), True),
+        lambda: check_kernel_matches_float64(
+            None, False, Tiles(BLOCK_M1=32, BLOCK_N1=64, ORDER=2, TMA=1), True
+        ),
+        lambda: check_forward_matches_float64(None, False, DEFAULT_FWD_TILES._replace(TMA=1)),
+        lambda: check_forward_matches_float64(200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128, TMA=1), True),
     ),
     "forward, sliding causal": lambda: check_forward_matches_float64(
         200, True, FwdTiles(BLOCK_M=32, BLOCK_N=128)
@@ -363,7 +386,7 @@ CHECKS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 2048])
-def test_dflash_kernels_match_flex_on_gpu(window):
+def test_dflash_kernels_match_flex_on_gpu(window, monkeypatch):
     """At the 8B drafter's head sizes (32/8 heads, head dim 128, bf16, block 16) on a 2 x 4096 context
     with 512 anchors: dflash's out, dq, dk, dv (the table's tiles, and flex's tiles in grouped order) against flex's
     own compiled kernels; and the tiles by TMA copies."""
@@ -378,7 +401,12 @@ def test_dflash_kernels_match_flex_on_gpu(window):
     grad_out = torch.randn_like(q)
     kind = "full" if window is None else "sliding"
     grouped = {kind: {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
-    tma = {kind: {"kernel_fwd_TMA": 1, "kernel_bwd_TMA": 1}}
+    tma = {kind: {"kernel_fwd_TMA": 1, "kernel_bwd_TMA": 1}}  # at the default tiles
+    from dflash.attention import triton_attention as ta
+
+    made = []
+    real = ta.tma_descriptor
+    monkeypatch.setattr(ta, "tma_descriptor", lambda x, rows: made.append(rows) or real(x, rows))
     results = []
     for backend in (
         FlexBackend(),
@@ -393,6 +421,7 @@ def test_dflash_kernels_match_flex_on_gpu(window):
         out = backend.attend(qq, kk, vv, plan[window])
         out.backward(grad_out)
         results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert made, "no TMA descriptor was made: the TMA backend ran the per-thread loads"
     for mine in results[1:]:
         for name, f, x in zip(("out", "dq", "dk", "dv"), results[0], mine, strict=True):
             assert rel(x, f) < 5e-3, f"{name}: dflash vs flex relative error {rel(x, f):.2e}"
