@@ -89,6 +89,8 @@ class FakeNVML:
         self.xid_supported = xid_supported
         self.initialised = False
         self.calls: collections.Counter[str] = collections.Counter()
+        self.event_waits_ms: list[int] = []
+        """The timeout of every nvmlEventSetWait, in order."""
         self._released = threading.Event()
         self._pending_xids: list[tuple[int, int]] = []
         self._lock = threading.Lock()
@@ -244,6 +246,7 @@ class FakeNVML:
 
     def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:
         self._enter("nvmlEventSetWait")
+        self.event_waits_ms.append(timeout_ms)
         with self._lock:
             if self._pending_xids:
                 gpu, xid = self._pending_xids.pop(0)
