@@ -7,15 +7,15 @@ the context's keys and values of all layers are one product (context_kv), the la
 v_proj weights side by side: one [S, H] x [H, layers * 2 * kv] product forward and one input
 gradient backward, where a product per layer over [context; block] rows needed the context's copy
 in every layer's input and (layers - 1) adds of its gradient. Queries come from the block tokens
-only. Per-head q/k RMSNorm, RoPE at true positions (context
-0..S-1, block token j of anchor a at a + j), GQA, pre-norm residuals. The attention backend
+only. Per-head q/k RMSNorm, RoPE at true positions (context 0..S-1, block token j of anchor a at
+a + j), GQA, pre-norm residuals. The attention backend
 (flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.attention.mask).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,8 +80,8 @@ class DrafterAttention(nn.Module):
         B, Q, _ = block_BQH.shape
         ctx_k_BSC, ctx_v_BSC = ctx_kv_BSC.chunk(2, dim=-1)
         q_BQHD = self.q_proj(block_BQH).view(B, Q, self.heads, self.head_dim)
-        k_BLC = torch.cat([ctx_k_BSC, self.k_proj(block_BQH).to(ctx_k_BSC.dtype)], dim=1)
-        v_BLC = torch.cat([ctx_v_BSC, self.v_proj(block_BQH).to(ctx_v_BSC.dtype)], dim=1)
+        k_BLC = torch.cat([ctx_k_BSC, self.k_proj(block_BQH)], dim=1)
+        v_BLC = torch.cat([ctx_v_BSC, self.v_proj(block_BQH)], dim=1)
         L = k_BLC.shape[1]
         k_BLGD = k_BLC.view(B, L, self.kv_heads, self.head_dim)
         v_BGLD = v_BLC.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -130,6 +130,21 @@ def _rms_norm_compiled() -> Any:
     only reads the drafter's spec, such as the supervisor, must not pay). Its row count is marked
     dynamic: one graph per input dtype for every bucket (dflash.shapes counts them)."""
     return torch.compile(rms_norm)
+
+
+class LayerInputs(NamedTuple):
+    """What the decoder layers read besides their own state (DFlashDrafter.layer_inputs)."""
+
+    windows: list[int | None]
+    """Each layer's attention window (None: full)."""
+    plans: dict[int | None, Any]
+    """The attention backend's plan per window."""
+    ctx_BSH: Tensor
+    """The fused context: RMSNorm(fc(target features)), noise added in training when asked."""
+    h_BQH: Tensor
+    """The blocks' embeddings: the first layer's input."""
+    rope_q: tuple[Tensor, Tensor]
+    rope_kv: tuple[Tensor, Tensor]
 
 
 class DFlashDrafter(nn.Module):
@@ -206,6 +221,25 @@ class DFlashDrafter(nn.Module):
         seq_lens_B: Tensor,
         noise_std: float = 0.0,
     ) -> Tensor:
+        B, A, K = *anchors_BA.shape, self.spec.block_size
+        windows, plans, ctx_BSH, h_BQH, rope_q, rope_kv = self.layer_inputs(
+            input_ids_BS, target_hidden_BSF, anchors_BA, seq_lens_B, noise_std
+        )
+        ctx_kv = self.context_kv(ctx_BSH).chunk(len(self.layers), dim=-1)
+        for layer, window, ctx_kv_BSC in zip(self.layers, windows, ctx_kv, strict=True):
+            h_BQH = layer(h_BQH, ctx_kv_BSC, rope_q, rope_kv, self.backend, plans[window])
+        return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
+
+    def layer_inputs(
+        self,
+        input_ids_BS: Tensor,
+        target_hidden_BSF: Tensor,
+        anchors_BA: Tensor,
+        seq_lens_B: Tensor,
+        noise_std: float = 0.0,
+    ) -> LayerInputs:
+        """Everything forward's layers read but their own state: the attention plans, the fused
+        context, the blocks' embeddings and the rotary tables."""
         B, S = input_ids_BS.shape
         A, K = anchors_BA.shape[1], self.spec.block_size
         autocast = torch.is_autocast_enabled(target_hidden_BSF.device.type)
@@ -234,11 +268,7 @@ class DFlashDrafter(nn.Module):
         pos_BL = torch.cat([torch.arange(S, device=pos_BQ.device).expand(B, S), pos_BQ], dim=1)
         rope_kv = self.rotary_emb(h_BQH, pos_BL)
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
-
-        ctx_kv = self.context_kv(ctx_BSH).chunk(len(self.layers), dim=-1)
-        for layer, window, ctx_kv_BSC in zip(self.layers, windows, ctx_kv, strict=True):
-            h_BQH = layer(h_BQH, ctx_kv_BSC, rope_q, rope_kv, self.backend, plans[window])
-        return self.outer_norm(self.norm, h_BQH).view(B, A, K, -1)
+        return LayerInputs(windows, plans, ctx_BSH, h_BQH, rope_q, rope_kv)
 
     def context_kv(self, ctx_BSH: Tensor) -> Tensor:
         """The context's keys and values of every layer, [B, S, layers * 2 * kv_heads * head_dim]:

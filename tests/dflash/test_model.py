@@ -80,25 +80,12 @@ def test_sdpa_and_eager_drafters_agree_on_hidden_states_and_grads(sliding_block_
 
 def published_forward(model: DFlashDrafter, ids, feats, anchors, seq_lens) -> torch.Tensor:
     """The published DFlash layer, written out: each layer's k_proj and v_proj over the rows
-    [context; normed block] (the model computes the context's part of all layers in one product)."""
+    [context; normed block] (the model computes the context's part of all layers in one product).
+    The layers' inputs are the model's own (layer_inputs)."""
     from dflash.model import norm_rope
 
-    B, S_ = ids.shape
-    A, K = anchors.shape[1], model.spec.block_size
-    windows = [model.spec.window(i) for i in range(model.spec.num_layers)]
-    plans = model.backend.prepare(
-        anchors,
-        seq_lens,
-        context_len=S_,
-        block_size=K,
-        windows=windows,
-        sliding_causal=model.spec.sliding_block_causal,
-    )
-    ctx = model.hidden_norm(model.fc(feats))
-    h = torch.nn.functional.embedding(model.block_ids(ids, anchors), model.embed_weight_VH).to(ctx.dtype)
-    pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(K)).view(B, A * K)
-    rope_kv = model.rotary_emb(h, torch.cat([torch.arange(S_).expand(B, S_), pos], dim=1))
-    rope_q = (rope_kv[0][:, S_:], rope_kv[1][:, S_:])
+    B, A, K = *anchors.shape, model.spec.block_size
+    windows, plans, ctx, h, rope_q, rope_kv = model.layer_inputs(ids, feats, anchors, seq_lens)
     for layer, window in zip(model.layers, windows, strict=True):
         att, x = layer.self_attn, layer.input_layernorm(h)
         kv_in = torch.cat([ctx, x], dim=1)
