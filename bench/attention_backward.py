@@ -79,6 +79,14 @@ def main() -> None:
         "kernel_bwd_* options "
         "(dflash/attention/flex_tuned.json is the job's)",
     )
+    ap.add_argument(
+        "--layout",
+        default="step",
+        choices=("step", "heads"),
+        help="step (the job's): q, k and dO as the drafter layer hands them to the op, [B, T, heads, D] in "
+        "memory (the projections' output rows), v contiguous; heads: all four contiguous [B, heads, T, D] "
+        "(this bench's layout until 2026-12-04)",
+    )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
 
@@ -113,7 +121,15 @@ def main() -> None:
     inputs = make_inputs(sizes)
     anchors, seq_lens = inputs["anchors"], inputs["seq_lens"]
     q, k, v, grad = inputs["q"], inputs["k"], inputs["v"], inputs["grad"]
-    report: dict[str, Any] = {**report_header("attention_backward", device == "cuda"), "layers": []}
+    if (
+        args.layout == "step"
+    ):  # same values, the layer's memory order: [B, T, heads, D] viewed as [B, heads, T, D]
+        q, k, grad = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, grad))
+    report: dict[str, Any] = {
+        **report_header("attention_backward", device == "cuda"),
+        "layout": args.layout,
+        "layers": [],
+    }
     for wname in windows:
         window = None if wname == "full" else int(wname)
         pairs = allowed_pairs(anchors.cpu(), seq_lens.cpu(), context_len=S, block_size=K, window=window)
