@@ -34,6 +34,10 @@ On the CPU the job never calls these; the tests run them through Triton's interp
 TMA (a tile option, FwdTiles.TMA / Tiles.TMA): the tiles the loops step over come in by bulk copies
 through host-side descriptors over the tensors' own strides (tma_descriptor), rows past the end as 0.
 
+Warp specialisation (tl.range(..., warp_specialize=True), what would let the softmax overlap the
+products as in FlashAttention-3) does not compile for these kernels on Hopper under Triton 3.6: the
+NVGPUWarpSpecialization pass fails (H200, 2026-12-04, docs/BENCHMARKS.md).
+
 Status (H200, 2026-12-04, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
 1.40 ms (full layer, TMA) / 1.16 (sliding, TMA) against flex's 1.50 / 1.26, backward 4.27 (TMA) /
 3.55 against flex's 5.03 / 3.97. The job's default on a GPU (attention.flex_kernels = auto).
