@@ -36,7 +36,8 @@ through host-side descriptors over the tensors' own strides (tma_descriptor), ro
 
 Warp specialisation (tl.range(..., warp_specialize=True), what would let the softmax overlap the
 products as in FlashAttention-3) does not compile for these kernels on Hopper under Triton 3.6: the
-NVGPUWarpSpecialization pass fails (H200, 2026-12-04, docs/BENCHMARKS.md).
+NVGPUWarpSpecialization pass fails (H200, 2026-12-04, docs/BENCHMARKS.md). Gluon
+(triton.experimental.gluon) can express that schedule by hand on Hopper; none is written yet.
 
 Status (H200, 2026-12-04, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
 1.40 ms (full layer, TMA) / 1.16 (sliding, TMA) against flex's 1.50 / 1.26, backward 4.27 (TMA) /
