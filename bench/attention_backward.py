@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
-from flex_tune import make_inputs, rel_err  # noqa: E402  (the same inputs as flex_tune's)
+from flex_tune import LAYOUTS, make_inputs, rel_err  # noqa: E402  (the same inputs as flex_tune's)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is flex's tuned forward.
 FWD_CANDIDATES = [
@@ -82,10 +82,9 @@ def main() -> None:
     ap.add_argument(
         "--layout",
         default="step",
-        choices=("step", "heads"),
-        help="step (the job's): q, k and dO as the drafter layer hands them to the op, [B, T, heads, D] in "
-        "memory (the projections' output rows), v contiguous; heads: all four contiguous [B, heads, T, D] "
-        "(this bench's layout until 2026-12-04)",
+        choices=LAYOUTS,
+        help="q, k and dO in memory (flex_tune.LAYOUTS): step, the job's, or heads, this bench's "
+        "layout until 2026-12-04",
     )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
@@ -118,13 +117,9 @@ def main() -> None:
     sizes = argparse.Namespace(
         tiny=tiny, batch=B, context=S, anchors=A, block=K, heads=H, kv_heads=G, head_dim=D
     )
-    inputs = make_inputs(sizes)
+    inputs = make_inputs(sizes, args.layout)
     anchors, seq_lens = inputs["anchors"], inputs["seq_lens"]
     q, k, v, grad = inputs["q"], inputs["k"], inputs["v"], inputs["grad"]
-    if (
-        args.layout == "step"
-    ):  # same values, the layer's memory order: [B, T, heads, D] viewed as [B, heads, T, D]
-        q, k, grad = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, grad))
     report: dict[str, Any] = {
         **report_header("attention_backward", device == "cuda"),
         "layout": args.layout,

@@ -165,7 +165,14 @@ def write_table(path: Path, best: dict[str, Any], args: argparse.Namespace, repo
     atomic_write_json(path, table)
 
 
-def make_inputs(args: argparse.Namespace) -> dict[str, Any]:
+LAYOUTS = ("heads", "step")
+"""How make_inputs lays q, k and dO out in memory (always viewed as [B, heads, T, D]): heads: contiguous
+[B, heads, T, D]; step: [B, T, heads, D], the drafter layer's projection rows, as the job hands them
+to the attention op. v is contiguous [B, kv_heads, T, D] in both, as the layer makes it."""
+
+
+def make_inputs(args: argparse.Namespace, layout: str = "heads") -> dict[str, Any]:
+    """Random q, k, v, dO and the trainer's anchors at the bench's sizes; q, k and dO in `layout`."""
     import torch
 
     from dflash.objective import sample_anchors
@@ -180,11 +187,14 @@ def make_inputs(args: argparse.Namespace) -> dict[str, Any]:
     q = torch.randn(B, args.heads, A * K, args.head_dim, generator=gen).to(device, dtype)
     k = torch.randn(B, args.kv_heads, S + A * K, args.head_dim, generator=gen).to(device, dtype)
     v = torch.randn(B, args.kv_heads, S + A * K, args.head_dim, generator=gen).to(device, dtype)
+    grad = torch.randn(q.shape, generator=gen).to(device, dtype)
+    if layout == "step":  # the same values, stored [B, T, heads, D]
+        q, k, grad = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, grad))
     return {
         "q": q,
         "k": k,
         "v": v,
-        "grad": torch.randn(q.shape, generator=gen).to(device, dtype),
+        "grad": grad,
         "anchors": anchors.to(device),
         "seq_lens": seq_lens.to(device),
     }
