@@ -14,6 +14,11 @@ of their own), the first of each in every launch order (ORDERS: longest first, g
 in their own ORDER field, longest first unless given). Effective TFLOP/s count unmasked pairs only: 4*D per pair and head
 forward, 2.5x that backward (bench/attention.py's convention). Numerics: dflash's out, dq, dk, dv
 against flex's (relative error of each).
+
+--flash: flex's op with kernel_options BACKEND=FLASH (FlashAttention-4's CuTe DSL kernels, Hopper's
+FlashAttention-3 port, with the plan's BlockMask and mask_mod) timed and checked beside the two. Its
+packages (flash-attn-4, nvidia-cutlass-dsl and its libs) are not in the job's environments: a
+comparison, measured on the H200 on 2026-12-04 (docs/BENCHMARKS.md), not a path of the job.
 """
 
 from __future__ import annotations
@@ -86,12 +91,20 @@ def main() -> None:
         help="q, k and dO in memory (flex_tune.LAYOUTS): step, the job's, or heads, this bench's "
         "layout until 2026-12-04",
     )
+    ap.add_argument(
+        "--flash",
+        action="store_true",
+        help="also time flex with kernel_options BACKEND=FLASH (FlashAttention-4's CuTe kernels; needs the "
+        "flash-attn-4 and nvidia-cutlass-dsl packages, which the job's environments do not ship)",
+    )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
+    if args.flash and args.tiny:
+        ap.error("--flash needs a GPU: FlashAttention-4's kernels have no CPU path; drop --tiny or --flash")
 
     import torch
 
-    from dflash.attention.flex import FlexBackend
+    from dflash.attention.flex import FlexBackend, layer_kind
     from dflash.attention.mask import allowed_pairs
     from dflash.attention.triton_attention import (
         FwdTiles,
@@ -131,10 +144,13 @@ def main() -> None:
         fwd_flop = 4 * D * H * pairs
         row: dict[str, Any] = {"window": wname, "fwd_tflop": fwd_flop / 1e12}
         results = {}
-        for bwd in ("flex", "dflash"):
+        for bwd in ("flex", "dflash", "flash") if args.flash else ("flex", "dflash"):
             if tiny and bwd == "flex":
                 continue  # flex has no CPU backward
-            backend = FlexBackend(kernels=bwd, compile=not tiny)
+            if bwd == "flash":  # flex's own op, its FlashAttention-4 backend in place of its Triton kernels
+                backend = FlexBackend(kernel_options={layer_kind(window): {"BACKEND": "FLASH"}})
+            else:
+                backend = FlexBackend(kernels=bwd, compile=not tiny)
             plan = backend.prepare(anchors, seq_lens, context_len=S, block_size=K, windows=[window])[window]
             qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
@@ -175,6 +191,12 @@ def main() -> None:
                 for n, a, b in zip(("out", "dq", "dk", "dv"), results["dflash"], results["flex"], strict=True)
             }
             print(f"{wname} dflash vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
+        if "flash" in results:
+            row["flash_vs_flex_rel_err"] = {
+                n: rel_err(a, b)
+                for n, a, b in zip(("out", "dq", "dk", "dv"), results["flash"], results["flex"], strict=True)
+            }
+            print(f"{wname} flash vs flex: {row['flash_vs_flex_rel_err']}", flush=True)
         # dflash's forward alone, each forward candidate; then its output and lse feed the backward's.
         row["fwd_candidates"] = time_candidates(
             fwd_cand,

@@ -1,0 +1,23 @@
+"""bench/attention_backward.py refuses what it cannot run before it builds any input: --flash (flex's
+FlashAttention-4 backend, GPU-only kernels) with --tiny (the CPU smoke run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "attention_backward.py"
+
+
+def test_flash_with_tiny_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--flash", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--flash needs a GPU" in r.stderr and "drop --tiny or --flash" in r.stderr
+    assert not out.exists()
