@@ -37,7 +37,11 @@ through host-side descriptors over the tensors' own strides (tma_descriptor), ro
 Warp specialisation (tl.range(..., warp_specialize=True), what would let the softmax overlap the
 products as in FlashAttention-3) does not compile for these kernels on Hopper under Triton 3.6: the
 NVGPUWarpSpecialization pass fails (H200, 2026-12-04, docs/BENCHMARKS.md). Gluon
-(triton.experimental.gluon) can express that schedule by hand on Hopper; none is written yet.
+(triton.experimental.gluon) could express that schedule by hand on Hopper. FlashAttention-4's Hopper
+kernels already have it (FlashAttention-3's schedule, through flex's BACKEND=FLASH, on this mask, H200,
+2026-12-04). Against these kernels they are 18-19% faster forward, 10% faster backward on the full
+layer and equal on the sliding ones: 1.44 ms of the 8B step's 24.3 ms of attention alone. That is
+not worth a second JIT compiler and a non-deterministic backward in the job (docs/BENCHMARKS.md).
 
 Status (H200, 2026-12-04, docs/BENCHMARKS.md): at the 8B step's shapes, the table's tiles, forward
 1.40 ms (full layer, TMA) / 1.16 (sliding, TMA) against flex's 1.50 / 1.26, backward 4.27 (TMA) /
