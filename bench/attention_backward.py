@@ -24,6 +24,7 @@ comparison, measured on the H200 on 2026-12-04 (docs/BENCHMARKS.md), not a path 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -101,6 +102,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.flash and args.tiny:
         ap.error("--flash needs a GPU: FlashAttention-4's kernels have no CPU path; drop --tiny or --flash")
+    if args.flash and importlib.util.find_spec("flash_attn") is None:
+        ap.error(
+            "--flash needs the flash-attn-4 package (and nvidia-cutlass-dsl with its libs-base, libs-core "
+            "and libs-cu12/cu13) importable: install them beside torch or put them on PYTHONPATH, as "
+            "docs/BENCHMARKS.md's 2026-12-04 12:57 section did"
+        )
 
     import torch
 
