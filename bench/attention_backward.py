@@ -151,7 +151,7 @@ def main() -> None:
         fwd_flop = 4 * D * H * pairs
         row: dict[str, Any] = {"window": wname, "fwd_tflop": fwd_flop / 1e12}
         results = {}
-        for bwd in ("flex", "dflash", "flash") if args.flash else ("flex", "dflash"):
+        for bwd in ("flex", "dflash", *(("flash",) if args.flash else ())):
             if tiny and bwd == "flex":
                 continue  # flex has no CPU backward
             if bwd == "flash":  # flex's own op, its FlashAttention-4 backend in place of its Triton kernels
@@ -192,18 +192,13 @@ def main() -> None:
             if bwd == "dflash":
                 t = plan.tables  # the plan dflash's candidates run on
         reference = results.get("flex", results["dflash"])  # each candidate's output or gradients against it
-        if "flex" in results:
-            row["kernel_vs_flex_rel_err"] = {
-                n: rel_err(a, b)
-                for n, a, b in zip(("out", "dq", "dk", "dv"), results["dflash"], results["flex"], strict=True)
-            }
-            print(f"{wname} dflash vs flex: {row['kernel_vs_flex_rel_err']}", flush=True)
-        if "flash" in results:
-            row["flash_vs_flex_rel_err"] = {
-                n: rel_err(a, b)
-                for n, a, b in zip(("out", "dq", "dk", "dv"), results["flash"], results["flex"], strict=True)
-            }
-            print(f"{wname} flash vs flex: {row['flash_vs_flex_rel_err']}", flush=True)
+        for name, key in (("dflash", "kernel_vs_flex_rel_err"), ("flash", "flash_vs_flex_rel_err")):
+            if "flex" in results and name in results:
+                row[key] = {
+                    n: rel_err(a, b)
+                    for n, a, b in zip(("out", "dq", "dk", "dv"), results[name], results["flex"], strict=True)
+                }
+                print(f"{wname} {name} vs flex: {row[key]}", flush=True)
         # dflash's forward alone, each forward candidate; then its output and lse feed the backward's.
         row["fwd_candidates"] = time_candidates(
             fwd_cand,

@@ -14,28 +14,23 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "attention_backward.py"
 
 
-def test_flash_with_tiny_is_refused_with_what_to_do(tmp_path: Path) -> None:
+def refused(tmp_path: Path, *flags: str) -> str:
+    """Run the bench with `flags`; assert it exited 2 (argparse's usage error) and wrote no report; its stderr."""
     out = tmp_path / "report.json"
     r = subprocess.run(
-        [sys.executable, str(BENCH), "--flash", "--tiny", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(BENCH), *flags, "--out", str(out)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 2, r.stderr
-    assert "--flash needs a GPU" in r.stderr and "drop --tiny or --flash" in r.stderr
     assert not out.exists()
+    return r.stderr
+
+
+def test_flash_with_tiny_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    err = refused(tmp_path, "--flash", "--tiny")
+    assert "--flash needs a GPU" in err and "drop --tiny or --flash" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")
 def test_flash_without_its_packages_names_them(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    r = subprocess.run(
-        [sys.executable, str(BENCH), "--flash", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
-    assert "--flash needs the flash-attn-4 package" in r.stderr and "PYTHONPATH" in r.stderr
-    assert not out.exists()
+    err = refused(tmp_path, "--flash")
+    assert "--flash needs the flash-attn-4 package" in err and "PYTHONPATH" in err
