@@ -19,7 +19,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,15 @@ from runner.cache.store import Artifact, Store
 from runner.canonical import fingerprint_key
 from runner.errors import RunnerError
 from runner.exec import remote
-from runner.exec.jobenv import JobEnv
-from runner.exec.stream import stream
+from runner.exec.jobenv import JobEnv, config_in_env, job_fingerprint, job_refusal, refused
+from runner.exec.stream import StreamFailed, stream
 from runner.fsutil import make_private_dir
 
 WARM_STATS = "warm.json"
 _CONTAINER_OUT = "/dflash-warm"
 _CONTAINER_CFG = "/dflash-warm-config.toml"
+OUT_PLACEHOLDER = "<staging>/out"
+"""In a plan's command line: the staging directory of the store the warm run fills (made at run time)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +45,60 @@ class WarmResult:
     artifact: Artifact
     events: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmPlan:
+    """What `warm-cache` would do, as data (`warm-cache --dry-run`): the job's first check (its
+    config and fingerprint, in the environment that will compile) has passed."""
+
+    config: str
+    sets: list[str]
+    environment: str
+    """Where the warm run compiles: JobEnv.describe()."""
+    host: str | None
+    image: str | None
+    gpus: bool
+    module_args: list[str]
+    """`python -m` arguments of the warm run: the job reads a private copy of `config`, and writes
+    OUT_PLACEHOLDER, a staging directory of the store."""
+    key: str
+    """The fingerprint key the artifact will have."""
+    in_store: bool
+    """The store holds an artifact of that key already (the warm run would make it again)."""
+    store: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _module_args(config: str, out: str, sets: list[str] | None) -> list[str]:
+    args = ["dflash.warm", config, "--out", out]
+    for s in sets or []:
+        args += ["--set", s]
+    return args
+
+
+def plan_warm(config: Path, *, env: JobEnv, store: Store, sets: list[str] | None = None) -> WarmPlan:
+    """The job's fingerprint of the config in env: the job loads and checks the config as the warm
+    run's first step does (dflash.config.load_config), so a config it refuses is refused here too."""
+    if not config.is_file():
+        raise RunnerError(f"config {config} not found; pass a TOML file such as configs/demo-cpu.toml")
+    with config_in_env(config, env, _CONTAINER_CFG) as cfg:
+        fp = job_fingerprint(env, config=cfg, sets=sets, shown_as=config)
+    key = str(fp.get("key"))
+    return WarmPlan(
+        config=str(config),
+        sets=list(sets or []),
+        environment=env.describe(),
+        host=env.host,
+        image=env.image,
+        gpus=env.gpus,
+        module_args=_module_args(str(config), OUT_PLACEHOLDER, sets),
+        key=key,
+        in_store=key in store.artifact_keys(),
+        store=str(store.root),
+    )
 
 
 @contextlib.contextmanager
@@ -90,10 +146,13 @@ def warm_cache(
             job_out, job_cfg = _CONTAINER_OUT, _CONTAINER_CFG
         else:
             job_out, job_cfg = out_dir, cfg_arg
-        args = ["dflash.warm", job_cfg, "--out", job_out]
-        for s in sets or []:
-            args += ["--set", s]
-        _stream(env, args, events, on_event)
+        try:
+            _stream(env, _module_args(job_cfg, job_out, sets), events, on_event)
+        except StreamFailed as e:
+            problems = job_refusal(e.returncode, e.stderr)
+            if problems:
+                raise refused("dflash.warm", env, config, problems) from None
+            raise
         if env.host is not None:
             remote.copy_from(env.host, out_dir, str(local / "out"))
         out = local / "out"

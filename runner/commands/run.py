@@ -25,7 +25,10 @@ from runner.launch.registry import Registry, check_name
 
 
 def _render(plan: RunPlan) -> None:
-    console.print(f"[bold]run[/] {plan.run_id}  backend {plan.backend}  nodes {plan.nnodes}", highlight=False)
+    console.print(
+        f"[bold]run[/] {plan.run_id}  name {plan.name}  backend {plan.backend}  nodes {plan.nnodes}",
+        highlight=False,
+    )
     if plan.rdzv_endpoint:
         console.print(f"  rendezvous {plan.rdzv_endpoint}", highlight=False)
     for hp in plan.hosts:
@@ -128,7 +131,12 @@ def register(app: typer.Typer) -> None:
                 allow_drift=allow_drift,
                 rdzv_port=rdzv_port,
             )
-            req.name = check_name(name or str(_config_value(config, sets, "run.name", "dflash")))
+            if name is not None:
+                req.name = check_name(name)
+            else:
+                req.name = check_name(
+                    str(_config_value(config, sets, "run.name", "dflash")), origin=f"run.name of {config}"
+                )
             run_id = new_run_id(req.name)
             st = Store(store)
             facts = preflight(req, run_id=run_id, name=req.name, store=st, warn=warn)

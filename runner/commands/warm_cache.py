@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,7 +12,7 @@ import typer
 
 from runner.cache.signing import load_keyring
 from runner.cache.store import Store
-from runner.cache.warmrun import warm_cache
+from runner.cache.warmrun import WarmPlan, plan_warm, warm_cache
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console
 from runner.envs import tomllib  # the one 3.10 fallback shim
@@ -57,6 +58,14 @@ def _progress(event: dict[str, Any]) -> None:
         console.print(f"compiled in {event.get('seconds', 0):.1f} s")
 
 
+def _render(plan: WarmPlan) -> None:
+    console.print(f"[bold]warm[/] {plan.config} in {plan.environment}", highlight=False)
+    have = "in the store already: a warm run makes it again" if plan.in_store else "not in the store"
+    console.print(f"  fingerprint {plan.key} ({have})", highlight=False, soft_wrap=True)
+    console.print(f"  store       {plan.store}", highlight=False)
+    console.print(f"  command     python -m {shlex.join(plan.module_args)}", highlight=False, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("warm-cache")
     def warm_cache_cmd(
@@ -76,8 +85,14 @@ def register(app: typer.Typer) -> None:
         ] = None,
         sets: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value.")] = None,
         store: StoreOpt = None,
+        dry_run: Annotated[
+            bool,
+            typer.Option(
+                help="Check the config and fingerprint in the environment, print the plan; compile nothing."
+            ),
+        ] = False,
         as_json: Annotated[
-            bool, typer.Option("--json", help="Print the result as JSON (no progress).")
+            bool, typer.Option("--json", help="Print the result (or the plan) as JSON (no progress).")
         ] = False,
     ) -> None:
         """Compile the job's real code paths for every shape the config can produce; save the cache."""
@@ -90,6 +105,13 @@ def register(app: typer.Typer) -> None:
             env = JobEnv(python=python or (sys.executable if local else "python3"), host=host, image=image)
             if image:
                 env.gpus = _wants_gpu(config, host, sets or [])
+            if dry_run:
+                plan = plan_warm(config, env=env, store=Store(store), sets=sets)
+                if as_json:
+                    typer.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+                else:
+                    _render(plan)
+                return
             result = warm_cache(
                 config,
                 env=env,

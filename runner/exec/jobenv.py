@@ -6,11 +6,15 @@ the environment that will use the cache, never in dflashctl's own (which has no 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from runner.errors import RunnerError
+from runner.errors import BadInput, RunnerError
 from runner.exec import remote
 from runner.exec.remote import parse_json_tail
 
@@ -54,12 +58,67 @@ class JobEnv:
         return (f"image {self.image}" if self.image else self.python) + where
 
 
+REFUSAL_CODE = 2
+"""dflash's entry points exit 2 on bad input (a config, data, a plan that does not fit), with one
+`error: ...` line on stderr per problem: the refusal the runner passes on as its own."""
+
+
+def job_refusal(returncode: int, stderr: bytes | str) -> list[str]:
+    """The job's own refusal lines, found among whatever else the interpreter printed as it exited
+    (triton's nanobind prints hundreds of 'leaked' lines after dflash.warm's one error line)."""
+    if returncode != REFUSAL_CODE:
+        return []
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+    return [line.removeprefix("error:").strip() for line in text.splitlines() if line.startswith("error: ")]
+
+
+def refused(entry: str, env: JobEnv, config: str | Path, problems: list[str]) -> BadInput:
+    return BadInput(
+        f"the job ({entry} in {env.describe()}) refused the config {config}:\n  "
+        + "\n  ".join(problems)
+        + "\nchange the config or pass --set, or run it where its devices and paths are"
+    )
+
+
+@contextlib.contextmanager
+def config_in_env(config: Path, env: JobEnv, container_path: str) -> Iterator[str]:
+    """The config where the job environment reads it (a copy on a host, mounted at container_path
+    in an image), for a check or a fingerprint; removed afterwards."""
+    if env.host is None:
+        path = str(config.resolve())
+    else:
+        # A random name made here, as warm-cache's work dir is: the host needs only a POSIX shell.
+        name = f"$HOME/.cache/dflashctl/preflight-{secrets.token_hex(8)}"
+        script = f'umask 077 && mkdir -p "{name}" && cd "{name}" && pwd'
+        rdir = remote.run(env.host, ["sh", "-c", script]).stdout.decode().strip()
+        path = f"{rdir}/{config.name}"
+        remote.copy_to(env.host, str(config), path)
+    try:
+        if env.image is not None:
+            env.mounts = [*env.mounts, (path, container_path, True)]
+            yield container_path
+        else:
+            yield path
+    finally:
+        if env.image is not None:
+            env.mounts = [m for m in env.mounts if m[1] != container_path]
+        if env.host is not None:
+            remote.run(env.host, ["rm", "-rf", str(Path(path).parent)], check=False)
+
+
 def job_fingerprint(
-    env: JobEnv, *, config: str | None, sets: list[str] | None = None, device: str | None = None
+    env: JobEnv,
+    *,
+    config: str | None,
+    sets: list[str] | None = None,
+    device: str | None = None,
+    shown_as: str | Path | None = None,
 ) -> dict:
     """{key, fingerprint} from `python -m dflash.fingerprint` in the target environment.
 
-    Without a config only the environment and source parts are reported (and compared)."""
+    Without a config only the environment and source parts are reported (and compared). A config
+    the job refuses is BadInput with the job's own lines, naming the config as shown_as (the user's
+    path; config is where the environment reads it)."""
     args = ["dflash.fingerprint", "--json"]
     if config:
         args.append(config)
@@ -67,7 +126,12 @@ def job_fingerprint(
         args += ["--device", device]
     for s in sets or []:
         args += ["--set", s]
-    proc = remote.run(env.host, env.argv(args), timeout=600)
+    proc = remote.run(env.host, env.argv(args), check=False, timeout=600)
+    problems = job_refusal(proc.returncode, proc.stderr or b"") if config else []
+    if problems:
+        raise refused("dflash.fingerprint", env, shown_as or config or "", problems)
+    if proc.returncode != 0:
+        raise remote.failure(env.host, env.argv(args), proc)
     result = parse_json_tail(
         proc.stdout, f"`{shlex.join(env.argv(args))}`", "is dflash installed in that environment?"
     )

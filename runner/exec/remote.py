@@ -186,16 +186,20 @@ def run(
             f"{shlex.join(argv)} on {host or 'this machine'} did not finish within {timeout} s"
         ) from e
     if check and proc.returncode != 0:
-        where = host or "this machine"
-        tail = (proc.stderr or b"").decode(errors="replace").strip().splitlines()[-15:]
-        hint = ""
-        if host is not None and proc.returncode == 255:
-            hint = " (ssh could not connect: check the host, your key, and DFLASH_SSH_OPTS)"
-        raise RunnerError(
-            f"`{shlex.join(argv)}` failed on {where} with exit code {proc.returncode}{hint}\n"
-            + "\n".join(tail)
-        )
+        raise failure(host, argv, proc)
     return proc
+
+
+def failure(host: str | None, argv: Sequence[str], proc: subprocess.CompletedProcess[bytes]) -> RunnerError:
+    """What run(check=True) raises for a non-zero exit: the command, the exit code, stderr's tail."""
+    where = host or "this machine"
+    tail = (proc.stderr or b"").decode(errors="replace").strip().splitlines()[-15:]
+    hint = ""
+    if host is not None and proc.returncode == 255:
+        hint = " (ssh could not connect: check the host, your key, and DFLASH_SSH_OPTS)"
+    return RunnerError(
+        f"`{shlex.join(argv)}` failed on {where} with exit code {proc.returncode}{hint}\n" + "\n".join(tail)
+    )
 
 
 def copy_to(host: str | None, local: str, remote: str) -> None:

@@ -12,6 +12,18 @@ from pathlib import Path
 from runner.errors import RunnerError
 
 TAIL_LINES = 30
+STDERR_KEPT = 1 << 20
+"""Of a failed command's own stderr (merge_stderr=False), the last bytes StreamFailed carries."""
+
+
+class StreamFailed(RunnerError):
+    """A streamed command exited non-zero: the message quotes its tail; the exit code and stderr
+    are kept for a caller that knows the command's own error protocol."""
+
+    def __init__(self, message: str, *, returncode: int, stderr: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
 
 
 def stream(
@@ -26,7 +38,7 @@ def stream(
     """Run argv, handing each stdout line (without its newline) to on_line as it arrives.
 
     merge_stderr=False keeps stderr out of on_line (a JSON-lines protocol on stdout) but still quotes
-    its tail when the command fails. A non-zero exit raises RunnerError naming `what` (default: the
+    its tail when the command fails. A non-zero exit raises StreamFailed naming `what` (default: the
     command) with the last lines of output."""
     label = what or f"`{' '.join(argv[:4])}{' ...' if len(argv) > 4 else ''}`"
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -53,7 +65,13 @@ def stream(
             on_line(line)
         rc = proc.wait()
         if rc != 0:
+            stderr = ""
             if not merge_stderr:
-                err.seek(0)
-                tail.extend(err.read().decode(errors="replace").strip().splitlines()[-TAIL_LINES:])
-            raise RunnerError(f"{label} failed with exit code {rc}; last lines:\n" + "\n".join(tail))
+                err.seek(max(0, err.seek(0, 2) - STDERR_KEPT))
+                stderr = err.read().decode(errors="replace")
+                tail.extend(stderr.strip().splitlines()[-TAIL_LINES:])
+            raise StreamFailed(
+                f"{label} failed with exit code {rc}; last lines:\n" + "\n".join(tail),
+                returncode=rc,
+                stderr=stderr,
+            )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import BadInput
-from runner.launch.registry import check_name
+from runner.launch.registry import backend_name, check_name
 
 BACKENDS = ("tmux", "docker", "foreground")
 SUPERVISOR_LOG = "logs/supervisor.log"
@@ -215,9 +215,9 @@ def build_plan(req: Request, facts: list[HostFacts], *, run_id: str, config_name
             gid=f.gid,
         )
         if req.backend == "tmux":
-            hp.tmux_session, hp.tmux_window = f"dflash-{run_id}", f"node{rank}"
+            hp.tmux_session, hp.tmux_window = backend_name(run_id), f"node{rank}"
         if req.backend == "docker":
-            hp.container = f"dflash-{run_id}-node{rank}"
+            hp.container = f"{backend_name(run_id)}-node{rank}"
             hp.labels = {
                 "io.dflash.run": run_id,
                 "io.dflash.role": "supervisor",

@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shlex
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from runner.envs import load_variant, project_root, tomllib
 from runner.errors import BadInput, RunnerError
 from runner.exec import docker as docker_cli
 from runner.exec import remote
-from runner.exec.jobenv import JobEnv, job_fingerprint
+from runner.exec.jobenv import JobEnv, config_in_env, job_fingerprint
 from runner.launch import docker as docker_backend
 from runner.launch import tmux
 from runner.launch.plan import HostFacts, Mount, Request, managed_cache_dir
@@ -76,31 +75,6 @@ def _host_basics(host: str | None) -> HostFacts:
         cwd=os.getcwd() if host is None else None,
         has_gpus=gpu == "gpu",
     )
-
-
-@contextlib.contextmanager
-def _config_on_host(config: Path, env: JobEnv) -> Iterator[str]:
-    """The config where the job environment can read it, for the check; removed afterwards."""
-    if env.host is None:
-        path = str(config.resolve())
-    else:
-        # A random name made here, as warm-cache's work dir is: the host needs only a POSIX shell.
-        name = f"$HOME/.cache/dflashctl/preflight-{secrets.token_hex(8)}"
-        script = f'umask 077 && mkdir -p "{name}" && cd "{name}" && pwd'
-        rdir = remote.run(env.host, ["sh", "-c", script]).stdout.decode().strip()
-        path = f"{rdir}/{config.name}"
-        remote.copy_to(env.host, str(config), path)
-    try:
-        if env.image is not None:
-            env.mounts = [*env.mounts, (path, _CONTAINER_CFG, True)]
-            yield _CONTAINER_CFG
-        else:
-            yield path
-    finally:
-        if env.image is not None:
-            env.mounts = [m for m in env.mounts if m[1] != _CONTAINER_CFG]
-        if env.host is not None:
-            remote.run(env.host, ["rm", "-rf", str(Path(path).parent)], check=False)
 
 
 def job_check(env: JobEnv, cfg: str, sets: list[str], extra: list[str]) -> dict[str, Any]:
@@ -242,8 +216,9 @@ def preflight(
             if endpoint
             else []
         )
-        with _config_on_host(config, env) as cfg:
-            facts.check = job_check(env, cfg, [*sets, *_runs_root_set(req, facts)], extra)
+        with config_in_env(config, env, _CONTAINER_CFG) as cfg:
+            checked_sets = [*sets, *_runs_root_set(req, facts)]
+            facts.check = job_check(env, cfg, checked_sets, extra)
             if not facts.check.get("ok"):
                 errors = facts.check.get("errors") or [{"key": "", "message": "the check failed"}]
                 lines = [f"  {e.get('key') or '(config)'}: {e.get('message')}" for e in errors]
@@ -252,7 +227,9 @@ def preflight(
                     + "\n".join(lines)
                 )
             facts.lock_sha256 = drift_check(req, env, warn)
-            fp = job_fingerprint(env, config=cfg, sets=sets)
+            # The runs root too: with `target.path = "tiny"` the fingerprint builds the tiny target
+            # there (the runs root the job will use, not the config's default under this cwd).
+            fp = job_fingerprint(env, config=cfg, sets=checked_sets, shown_as=config)
             facts.cache_key = fp.get("key")
             if rank == 0 and nnodes > 1:
                 base = f"/dflash-plan/{run_id}"  # replaced by each host's own run dir in build_plan

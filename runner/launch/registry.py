@@ -15,17 +15,34 @@ from runner.errors import BadInput, RunnerError
 from runner.fsutil import atomic_write_text
 
 STATE_ENV = "DFLASH_STATE_DIR"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,47}$")
-"""Run names become tmux session and container names, where '.' and ':' are separators."""
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
+"""A run name: what the config's run.name or --name says, kept as given in the run id, the run
+directory, the registry and every verb. Dots are common in model names (qwen3.6) and harmless in
+paths; anything else a shell, ssh or an option parser would read (space, quote, '$', ';', '/', a
+leading '-') is refused, never rewritten, so the name the user typed is the name the run has."""
+SESSION_MAPPED = {".": "_"}
+"""What backend_name rewrites. tmux reads '.' (and ':', refused above) in a target as the pane
+(window) separator, and renames a new session `a.b` to `a_b` without a word: the session the
+registry recorded would never be found again (`has-session -t =dflash-a.b` answers "can't find
+pane: b")."""
 
 
-def check_name(name: str) -> str:
-    if not NAME_RE.match(name):
+def check_name(name: str, *, origin: str = "--name") -> str:
+    """The name as given, or BadInput naming where it came from (--name, or the config's run.name)."""
+    if not NAME_RE.fullmatch(name):  # fullmatch: `$` would let a trailing newline through
+        fix = "" if origin == "--name" else "; change it, or pass --name NAME"
         raise BadInput(
-            f"run name {name!r} is not allowed: use 1-48 letters, digits, '_' or '-', starting with a "
-            "letter or digit (it names the tmux session and the containers)"
+            f"run name {name!r} ({origin}) is not allowed: use 1-48 letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit{fix}"
         )
     return name
+
+
+def backend_name(run_id: str) -> str:
+    """The tmux session and container stem of a run: `dflash-<run id>` with each '.' as '_'. Stable
+    (the same run id gives the same name on every host, in the plan and in the registry) and only
+    letters, digits, '_' and '-', which tmux and Docker both take as they are."""
+    return "dflash-" + "".join(SESSION_MAPPED.get(c, c) for c in run_id)
 
 
 def state_dir() -> Path:
@@ -90,8 +107,9 @@ class Registry:
         return sorted(out, key=lambda r: r.created_at)
 
     def find(self, ref: str) -> RunRecord:
-        """By run id, name (the newest run of that name), or unique id prefix: exact matches first,
-        so a run named like the start of another run's id is still found by its name."""
+        """By run id, name (the newest run of that name), tmux session or container name, or unique
+        id prefix: exact matches first, so a run named like the start of another run's id is still
+        found by its name."""
         runs = self.all()
         for r in runs:
             if r.run_id == ref:
@@ -99,6 +117,10 @@ class Registry:
         by_name = [r for r in runs if r.name == ref]
         if by_name:
             return by_name[-1]
+        # What `tmux ls` and `docker ps` show: the session, or one node's container.
+        for r in runs:
+            if any(ref in (h.tmux_session, h.container) for h in r.hosts):
+                return r
         by_prefix = [r for r in runs if r.run_id.startswith(ref)]
         if len(by_prefix) == 1:
             return by_prefix[0]

@@ -98,6 +98,18 @@ class Cli:
         raise AssertionError(f"no drafter reached step {step} in {run_dir}{logs}")
 
 
+def refused(cli: Cli, *args: str, want: str, code: int = 2) -> str:
+    """`dflashctl ARGS` as a refusal: exit code `code`, one `error:` message holding `want` (its
+    whitespace as one space: rich wraps), never a traceback. The whole output, for more checks."""
+    out = cli(*args, check=False, timeout=120)
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text, text
+    assert out.returncode == code, f"dflashctl {' '.join(args)} -> {out.returncode}\n{text}"
+    assert out.stderr.count("error:") == 1, text
+    assert want in " ".join(out.stderr.split()), text
+    return text
+
+
 def recorded_pids(run_dir: Path) -> list[int]:
     """Every pid the run recorded: heartbeats, `launched` events and the lock file."""
     pids = set()

@@ -14,23 +14,13 @@ from pathlib import Path
 
 import pytest
 from cache_helpers import make_artifact, write_hostile
-from run_cli import DEMO, Cli
+from run_cli import DEMO, Cli, refused
 
 from runner.cache.manifest import MANIFEST_NAME
 from runner.cache.store import Store
 
 NO_PROBE = ["--force", "--python", "/nonexistent/python"]
 """restore without probing the destination environment (the checks under test come first)."""
-
-
-def _refused(cli: Cli, *args: str, want: str, code: int = 2) -> str:
-    out = cli(*args, check=False, timeout=120)
-    text = out.stdout + out.stderr
-    assert "Traceback" not in text, text
-    assert out.returncode == code, f"dflashctl {' '.join(args)} -> {out.returncode}\n{text}"
-    assert out.stderr.count("error:") == 1, text
-    assert want in " ".join(out.stderr.split()), text
-    return text
 
 
 @pytest.fixture()
@@ -60,7 +50,7 @@ def test_hostile_host_options(tmp_path: Path, hostile_bin: tuple[dict[str, str],
             ["run", DEMO, "--host", host, "--runs-root", str(cli.runs), "--dry-run"],
             ["run", DEMO, "--host", "root@127.0.0.1", "--host", host, "--runs-root", str(cli.runs)],
         ):
-            _refused(cli, *args, want="is not USER@HOST[:PORT]")
+            refused(cli, *args, want="is not USER@HOST[:PORT]")
     assert not marker.exists()
 
 
@@ -71,9 +61,9 @@ def test_hostile_remote_specs(tmp_path: Path, hostile_bin: tuple[dict[str, str],
     for host in _hosts(marker):
         for verb in ("push", "pull"):
             spec = f"{host}:/srv/cache"
-            _refused(cli, "cache", verb, art.key, "--remote", spec, want="must look like USER@HOST:DIR")
-    _refused(cli, "cache", "push", art.key, "--remote", "root@gpu1:-rf", want="starts with '-'")
-    _refused(cli, "cache", "pull", art.key, "--remote", "gpu1", want="must look like USER@HOST:DIR")
+            refused(cli, "cache", verb, art.key, "--remote", spec, want="must look like USER@HOST:DIR")
+    refused(cli, "cache", "push", art.key, "--remote", "root@gpu1:-rf", want="starts with '-'")
+    refused(cli, "cache", "pull", art.key, "--remote", "gpu1", want="must look like USER@HOST:DIR")
     assert not marker.exists()
 
 
@@ -82,7 +72,7 @@ def test_archive_member_name_too_long(tmp_path: Path) -> None:
     art = write_hostile(tmp_path / "art", [(tarfile.TarInfo("inductor/" + "n" * 300), b"x")])
     dest = tmp_path / "dest"
     for extra in ([], ["--trust"]):
-        _refused(cli, "cache", "restore", str(art), "--dest", str(dest), *NO_PROBE, *extra, want="too long")
+        refused(cli, "cache", "restore", str(art), "--dest", str(dest), *NO_PROBE, *extra, want="too long")
     assert not dest.exists()
 
 
@@ -102,7 +92,7 @@ def test_directory_where_a_manifest_should_be(tmp_path: Path) -> None:
         ["cache", "restore", bad.key, "--dest", str(tmp_path / "dest"), *NO_PROBE],
         ["cache", "push", bad.key, "--remote", "root@gpu1:/srv/cache"],
     ):
-        _refused(cli, *args, want="is a directory, not a file")
+        refused(cli, *args, want="is a directory, not a file")
     assert "removed 0 artifact(s)" in cli("cache", "prune").stdout
 
 
@@ -112,8 +102,8 @@ def test_run_directory_that_is_a_file(tmp_path: Path) -> None:
     a_file.write_text("")
     for runs_root in (a_file, a_file / "below"):
         for extra in ([], ["--dry-run"], ["--backend", "foreground"]):
-            _refused(cli, "run", DEMO, "--runs-root", str(runs_root), *extra, want="is not a directory")
-    _refused(cli, "run", DEMO, "--set", f"run.runs_root={a_file}", want="is not a directory")
+            refused(cli, "run", DEMO, "--runs-root", str(runs_root), *extra, want="is not a directory")
+    refused(cli, "run", DEMO, "--set", f"run.runs_root={a_file}", want="is not a directory")
     assert a_file.read_text() == "" and cli.ps() == []
 
 
@@ -122,28 +112,28 @@ def test_run_directory_that_is_read_only(tmp_path: Path) -> None:
     cli = Cli(tmp_path)
     for runs_root in ("/sys/kernel/dflash-runs", "/proc/dflash-runs/deeper"):
         for extra in ([], ["--dry-run"]):
-            _refused(cli, "run", DEMO, "--runs-root", runs_root, *extra, want="is not writable by this user")
+            refused(cli, "run", DEMO, "--runs-root", runs_root, *extra, want="is not writable by this user")
     if os.geteuid() != 0:  # mode bits stop everyone else
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        _refused(cli, "run", DEMO, "--runs-root", str(ro / "runs"), want="is not writable by this user")
-    _refused(cli, "run", DEMO, "--runs-root", str(tmp_path / ("r" * 300)), want="longer than the 255")
+        refused(cli, "run", DEMO, "--runs-root", str(ro / "runs"), want="is not writable by this user")
+    refused(cli, "run", DEMO, "--runs-root", str(tmp_path / ("r" * 300)), want="longer than the 255")
     assert cli.ps() == []
 
 
 def test_bad_arguments_and_config_files(tmp_path: Path) -> None:
     cli = Cli(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "cfg"))
     (tmp_path / "cfg" / "dflashctl").mkdir(parents=True)
-    _refused(cli, "run", str(tmp_path / "nope.toml"), want="not found")
+    refused(cli, "run", str(tmp_path / "nope.toml"), want="not found")
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("[run\n")
-    _refused(cli, "run", str(bad_toml), "--runs-root", str(cli.runs), want="cannot read config")
-    _refused(cli, "cache", "show", "zz-not-hex", want="not an artifact key")
-    _refused(cli, "cache", "prune", "--older-than", "soon", want="not understood")
-    _refused(cli, "doctor", "--python", "x", "--image", "y", want="not both")
+    refused(cli, "run", str(bad_toml), "--runs-root", str(cli.runs), want="cannot read config")
+    refused(cli, "cache", "show", "zz-not-hex", want="not an artifact key")
+    refused(cli, "cache", "prune", "--older-than", "soon", want="not understood")
+    refused(cli, "doctor", "--python", "x", "--image", "y", want="not both")
     art = make_artifact(Store(Path(cli.env["DFLASH_CACHE_STORE"])).ensure(), tmp_path, tag="c")
     (tmp_path / "cfg" / "dflashctl" / "config.toml").write_text("[cache]\nkeep_previous = -3\n")
-    _refused(
+    refused(
         cli,
         "cache",
         "restore",
@@ -155,7 +145,7 @@ def test_bad_arguments_and_config_files(tmp_path: Path) -> None:
     )
     assert not (tmp_path / "dest").exists()
     (tmp_path / "cfg" / "dflashctl" / "config.toml").write_text("[cache\n")
-    _refused(cli, "cache", "list", want="is not valid TOML")
+    refused(cli, "cache", "list", want="is not valid TOML")
     # Not bad input: a lookup that finds nothing is exit code 1.
     (tmp_path / "cfg" / "dflashctl" / "config.toml").write_text("")
-    _refused(cli, "cache", "show", "abcdef", want="no artifact", code=1)
+    refused(cli, "cache", "show", "abcdef", want="no artifact", code=1)

@@ -159,10 +159,37 @@ def test_host_forms() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["a.b", "x:y", "-lead", "sp ace", "a" * 49, "ünï"])
+@pytest.mark.parametrize("name", ["x:y", "-lead", ".lead", "sp ace", "a" * 49, "ünï", "a/b"])
 def test_bad_run_names(name: str) -> None:
     with pytest.raises(RunnerError, match="run name"):
         check_name(name)
+
+
+def test_a_dotted_name_keeps_its_name_and_gets_safe_backend_names() -> None:
+    """The config's run.name as given in the run id, run dir, argv and labels; tmux and Docker get
+    the derived backend name (runner/launch/registry.py backend_name)."""
+    run_id = "qwen3.6-27b-5t3d-20261204-101500-1a2b"
+    tm = build_plan(
+        Request(config="c.toml", name="qwen3.6-27b-5t3d"), [_facts()], run_id=run_id, config_name="c"
+    )
+    dk = build_plan(
+        Request(config="c.toml", backend="docker", image="dflash:cu130", name="qwen3.6-27b-5t3d"),
+        [_facts()],
+        run_id=run_id,
+        config_name="c",
+    )
+    for plan in (tm, dk):
+        hp = plan.hosts[0]
+        assert plan.name == "qwen3.6-27b-5t3d" and hp.run_dir == f"/work/runs/{run_id}"
+        assert "run.name=qwen3.6-27b-5t3d" in hp.argv
+    assert (tm.hosts[0].tmux_session, tm.hosts[0].tmux_window) == (
+        "dflash-qwen3_6-27b-5t3d-20261204-101500-1a2b",
+        "node0",
+    )
+    assert dk.hosts[0].container == "dflash-qwen3_6-27b-5t3d-20261204-101500-1a2b-node0"
+    assert dk.hosts[0].labels["io.dflash.run"] == run_id, "labels carry the run id as it is"
+    argv = run_argv(dk.hosts[0], "dflash:cu130")
+    assert argv[argv.index("--name") + 1] == dk.hosts[0].container
 
 
 def test_request_checks() -> None:
