@@ -32,6 +32,7 @@ from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
+from dflash.pipeline.timeline import DETECTED_AT_ENV, GENERATION_ENV, LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
@@ -120,6 +121,9 @@ class Proc:
     """Size of the (appended) log when the latest start began: what this start wrote follows."""
 
     def start(self, env: dict[str, str] | None = None) -> None:
+        """env: added to this process's; the start's own stamps too (dflash.pipeline.timeline:
+        when it was spawned, and how many starts came before)."""
+        env = {**(env or {}), SPAWNED_AT_ENV: repr(time.time()), GENERATION_ENV: str(self.starts)}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.log_start = out.tell()
@@ -128,7 +132,7 @@ class Proc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **env},
                 # The run-dir lock travels with the workers: it holds until the last of them exits.
                 pass_fds=held_lock_fds(),
             )
@@ -263,7 +267,11 @@ class Supervisor:
 
         # The drafters' intra-op threads, from the one rule dflash.warm compiles the pipeline drafter under.
         self.drafters.start(
-            env={"OMP_NUM_THREADS": str(worker_threads("drafter")), DATA_SUMMARY_ENV: json.dumps(self.data)}
+            env={
+                "OMP_NUM_THREADS": str(worker_threads("drafter")),
+                DATA_SUMMARY_ENV: json.dumps(self.data),
+                LAUNCHED_AT_ENV: repr(time.time()),
+            }
         )
         self.run.event(
             "launched",
@@ -331,9 +339,10 @@ class Supervisor:
                 code = proc.poll()
                 if code is None or self.stopping or self.targets_released:
                     continue
+                detected = time.time()
                 self.run.event("worker_died", worker=proc.name, exit_code=code)
                 if self.cfg.pipeline.restart_targets:
-                    proc.start()
+                    proc.start(env={DETECTED_AT_ENV: repr(detected)})
                     self.run.event(
                         "restart", role="target", worker=proc.name, pid=proc.popen.pid if proc.popen else None
                     )

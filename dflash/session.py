@@ -10,7 +10,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,7 +265,10 @@ class DrafterSide:
         rank: int = 0,
         world_size: int = 1,
         worker: str = "drafter-0",
+        mark: Callable[[str], None] = lambda phase: None,
     ) -> None:
+        """mark(phase) is called as each part of the start ends (the `generation_start` event's
+        phases: frozen_head_load, model_build)."""
         from dflash.kernels import KernelGuard
         from dflash.model import resolve_spec
         from dflash.resolve import resolve_strict
@@ -277,11 +280,13 @@ class DrafterSide:
         embed, head, target_config = load_frozen_head(
             target_path, dtype=torch_dtype(cfg.target.dtype), device=device
         )
+        mark("frozen_head_load")
         self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
         self.plan = shape_plan(cfg, target_path=target_path)
         self.trainer = DrafterTrainer(
             cfg, self.spec, embed, head, device, rank=rank, world_size=world_size, plan=self.plan
         )
+        mark("model_build")
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
         self.guard.__enter__()
         self.compiles = CompileTracker(run, worker)

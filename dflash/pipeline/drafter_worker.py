@@ -33,6 +33,7 @@ import torch.distributed as dist
 from dflash.config import JobConfig, add_config_args, load_config
 from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
+from dflash.pipeline.timeline import TIMELINE, last_heartbeat, number
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 
@@ -128,6 +129,18 @@ def _resume_step(side: Any, g: Group) -> int:
     return int(g.all_reduce([float(local)], "min")[0])
 
 
+def _previous_generation(run: RunDir, g: Group) -> tuple[float | None, int | None]:
+    """(when the dead generation died, its last booked step): the earliest last heartbeat of its
+    ranks (the one that died stopped writing first; torchrun stopped the others after it), read
+    before this generation rewrites them."""
+    beat = last_heartbeat(run.heartbeat_path("drafter", g.rank)) if g.generation > 0 else {}
+    at, step = number(beat.get("updated_at")), number(beat.get("step"))
+    died, died_step = g.all_reduce(
+        [at if at is not None else math.inf, step if step is not None else -1], "min"
+    )
+    return (died if math.isfinite(died) else None), (int(died_step) if died_step >= 0 else None)
+
+
 def _redirect_output(path: Any) -> None:
     """The contract's per-worker log: this process's stdout and stderr append to logs/<role>-<index>.log."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,17 +160,24 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
     from dflash.trainer import Meter, ddp_backend
 
+    tl = TIMELINE
+    tl.mark("imports")
     cache_dir_from_env()  # before anything compiles
     apply_worker_threads("drafter")  # the thread count dflash.warm compiled the pipeline drafter under
     g = Group()
     device = _device(cfg, g)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # the context now, not inside a later phase
+    tl.mark("cuda_init")
     if g.world > 1:
         # The control collectives (stop agreement, resume step) use CPU tensors: gloo carries them.
         g.init_process_group(ddp_backend(device))
+    tl.mark("rendezvous")
     worker = f"drafter-{g.rank}"
     _redirect_output(run.log_path("drafter", g.rank))
+    died_at, died_at_step = _previous_generation(run, g)
+    tl.before_process(died_at)
     hb = Heartbeat(run, "drafter", g.rank, rank=g.rank, device=str(device)).start()
     stop = threading.Event()
     stepped = False
@@ -166,14 +186,25 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     try:
         # The drafters need the target's head and the mask token, not the data: the targets read that.
         target_path, _, mask_id = resolve_target(cfg)
+        tl.mark("target_config")
         side = DrafterSide(
-            cfg, run, target_path, mask_id, device, rank=g.rank, world_size=g.world, worker=worker
+            cfg,
+            run,
+            target_path,
+            mask_id,
+            device,
+            rank=g.rank,
+            world_size=g.world,
+            worker=worker,
+            mark=tl.mark,
         )
         step = _resume_step(side, g)
         if step >= 0:
             side.load(run.checkpoints / f"step-{step}")
+        tl.mark("state_restore")
         hs = HiddenStateQueue.attach(queue_name)
         reclaimed = hs.register_consumer(g.generation)
+        tl.mark("lease_reclaim")
         if g.rank == 0:
             kind = "restart" if g.generation > 0 else "started"
             run.event(
@@ -193,6 +224,24 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         total = cfg.train.total_steps
         log_batches = os.environ.get("DFLASH_LOG_BATCHES") == "1"
         lease, stopped = None, False
+        first_shape: dict[str, float] = {}
+
+        def emit_timeline(first_step: int) -> None:
+            resumed = step if step >= 0 else None
+            run.event(
+                "generation_start",
+                role="drafter-group",
+                worker=worker,
+                generation=g.generation,
+                restart=g.generation > 0,
+                **tl.fields(),
+                graphs=first_shape,
+                first_step=first_step,
+                resumed_from=resumed,
+                resumed_from_kind=None if resumed is None else "checkpoint",
+                died_at_step=died_at_step,
+                rolled_back_steps=None if died_at_step is None else max(0, died_at_step - max(step, 0)),
+            )
 
         def finish(done: list[tuple[Any, Any]]) -> None:
             """Book the steps read back, oldest first (dflash.trainer.StepAhead keeps one queued
@@ -260,8 +309,20 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 finish(side.flush())  # input ran dry: the queued step is read now, not left waiting
                 continue
             t = lease.tensors
-            hb.set("compiling" if side.compiles.is_new(tuple(t["input_ids"].shape)) else "computing")
+            shape = tuple(t["input_ids"].shape)
+            new_shape = side.compiles.is_new(shape)
+            if not stepped:
+                tl.mark("first_batch")
+            hb.set("compiling" if new_shape else "computing")
             finish(side.push(t["input_ids"], t["loss_mask"], t["seq_lens"], t["hidden"], tag=lease))
+            first = side.ahead.read_now_result
+            if not stepped and first is not None:
+                # The first step of a new shape is read at once, so it has trained by now: its
+                # seconds are the graphs' load (or compile) and one step.
+                first_shape["x".join(map(str, shape))] = round(first.seconds, 3)
+                tl.mark("first_step")
+                if g.rank == 0:
+                    emit_timeline(first.step)
             stepped = True
             lease = None
         finish(side.flush())  # stopping: the queued step completes and is booked before the checkpoint

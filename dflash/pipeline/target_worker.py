@@ -12,6 +12,7 @@ its shard where it stopped. The process keeps its weights across drafter-group r
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import signal
 import sys
@@ -23,6 +24,7 @@ import torch
 
 from dflash.config import JobConfig, add_config_args, load_config
 from dflash.exiting import without_final_gc
+from dflash.pipeline.timeline import GENERATION_ENV, TIMELINE, last_heartbeat, number
 from dflash.rundir import Heartbeat, RunDir, atomic_write_json
 from dflash.trainer import pad_batch
 
@@ -101,17 +103,28 @@ def run_target(
     from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
+    tl = TIMELINE
+    tl.mark("imports")
     apply_worker_threads("target")  # the thread count dflash.warm compiled the target under
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # the context now, not inside a later phase
+    tl.mark("cuda_init")
+    generation = int(os.environ.get(GENERATION_ENV) or 0)
+    # A restart's origin is the death: the dead process's last heartbeat, read before it is rewritten.
+    tl.before_process(
+        number(last_heartbeat(run.heartbeat_path("target", index)).get("updated_at")) if generation else None
+    )
     hb = Heartbeat(run, "target", index, device=str(device)).start()
+    first = True
     try:
         parts = prepare_data(cfg, run)
         batcher = make_batcher(cfg, parts.dataset, rank=index, world_size=data_world)
         state_path = data_state_path(run, index)
         if state_path.exists():
             batcher.load_state_dict(json.loads(state_path.read_text()))
+        tl.mark("data")
         hb.set("computing", note="loading target")
         spec = resolve_drafter_spec(cfg, parts)
         if cfg.target.compile:
@@ -125,9 +138,11 @@ def run_target(
             device=device,
             compile=cfg.target.compile,
         )
+        tl.mark("model_load")
         hs = HiddenStateQueue.attach(queue_name)
         pre = Prefetcher(cfg, batcher, cfg.pipeline.prefetch_depth, stop)
         pre.thread.start()
+        tl.mark("queue_attach")
         run.event(
             "worker_ready",
             worker=f"target-{index}",
@@ -145,8 +160,14 @@ def run_target(
                     raise pre.error from None
                 hb.set("waiting_input")
                 continue
+            if first:
+                tl.mark("first_batch")
             hb.set("computing")
             hidden = target(tensors["input_ids"].to(device), tensors["seq_lens"].to(device))
+            if first:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                tl.mark("first_forward")
             meta = {**meta, "target": index, "batch": produced}
             hb.set("waiting_output", q_pre=pre.q.qsize())
             ok = hs.put(
@@ -157,6 +178,17 @@ def run_target(
             )
             if not ok:
                 break
+            if first:
+                first = False
+                tl.mark("first_publish")
+                run.event(
+                    "generation_start",
+                    role="target",
+                    worker=f"target-{index}",
+                    generation=generation,
+                    restart=generation > 0,
+                    **tl.fields(),
+                )
             produced += 1
             atomic_write_json(state_path, meta["data_state"])
             hb.set("computing", progress=True, step=produced)

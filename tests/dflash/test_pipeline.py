@@ -70,9 +70,11 @@ def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
     _wait_for(lambda: (run.checkpoints / "step-16").exists(), 240, proc)
     target_pid = run.read_events("launched")[0]["targets"]["target-0"]
     victim = json.loads(run.heartbeat_path("drafter", 1).read_text())["pid"]
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    _check_timelines(run, killed_at)
 
     restart = run.read_events("restart")
     assert len(restart) == 1 and restart[0]["generation"] == 1 and restart[0]["resumed_from"] >= 16
@@ -94,6 +96,79 @@ def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
     # was trained (the killed drafter's leased batch was delivered again).
     trained = {b["batch"] for b in batches}
     assert trained == set(range(q["produced"] - stopped["ready_at_end"]))
+
+
+DRAFTER_PHASES = [
+    "imports",
+    "cuda_init",
+    "rendezvous",
+    "target_config",
+    "frozen_head_load",
+    "model_build",
+    "state_restore",
+    "lease_reclaim",
+    "first_batch",
+    "first_step",
+]
+TARGET_PHASES = [
+    "imports",
+    "cuda_init",
+    "data",
+    "model_load",
+    "queue_attach",
+    "first_batch",
+    "first_forward",
+    "first_publish",
+]
+RESTART_PHASES = ["death_detection", "stop_old_workers", "respawn", "process_start"]
+
+
+def _contiguous(ev: dict) -> float:
+    """The phases follow each other without a gap from the origin; returns their sum."""
+    at = ev["origin_at"]
+    for p in ev["phases"]:
+        assert abs(p["start"] - at) < 0.01 and p["seconds"] >= 0, (p, at, ev["phases"])
+        at = p["start"] + p["seconds"]
+    assert abs(at - ev["ready_at"]) < 0.01, ev
+    return sum(p["seconds"] for p in ev["phases"])
+
+
+def _check_timelines(run: RunDir, killed_at: float) -> None:
+    """Each start's `generation_start`: the drafter group's first start from the launch, its restart
+    from the SIGKILL, the target's first start; phases in order, adding up to the measured gap."""
+    starts = run.read_events("generation_start")
+    drafters = sorted((e for e in starts if e["role"] == "drafter-group"), key=lambda e: e["generation"])
+    assert [e["generation"] for e in drafters] == [0, 1], starts
+    first, restart = drafters
+    assert [p["phase"] for p in first["phases"]] == ["launcher_start", "process_start", *DRAFTER_PHASES]
+    assert first["origin"] == "launch" and first["restart"] is False
+    launched = run.read_events("launched")[0]["t"]
+    assert abs(first["origin_at"] - launched) < 1.0, (first["origin_at"], launched)
+    assert [p["phase"] for p in restart["phases"]] == [*RESTART_PHASES, *DRAFTER_PHASES]
+    assert restart["origin"] == "death" and restart["restart"] is True
+    # The death as the job sees it (the dead rank's last heartbeat) is the kill, within its beat.
+    assert killed_at - 1.1 <= restart["origin_at"] <= killed_at + 0.05, (restart["origin_at"], killed_at)
+    # The measured gap: the SIGKILL to the first trained step of the new generation (the event's
+    # own time comes right after that step), against the phases' sum.
+    gap = restart["t"] - killed_at
+    total = _contiguous(restart)
+    assert abs(total - gap) <= 0.1 * gap, (total, gap, restart["phases"])
+    assert abs(restart["total_s"] - total) < 0.01
+    assert restart["resumed_from"] >= 16 and restart["resumed_from_kind"] == "checkpoint"
+    assert restart["died_at_step"] >= restart["resumed_from"]
+    assert restart["rolled_back_steps"] == restart["died_at_step"] - restart["resumed_from"]
+    assert restart["first_step"] == restart["resumed_from"] + 1
+    (shape,) = restart["graphs"]
+    assert (
+        restart["graphs"][shape]
+        <= next(p for p in restart["phases"] if p["phase"] == "first_step")["seconds"]
+    )
+    _contiguous(first)
+    (target,) = [e for e in starts if e["role"] == "target"]
+    assert target["worker"] == "target-0" and target["generation"] == 0 and target["origin"] == "spawn"
+    names = [p["phase"] for p in target["phases"]]
+    assert names == ["process_start", *TARGET_PHASES], names
+    _contiguous(target)
 
 
 def _free_port() -> int:
@@ -180,6 +255,30 @@ def test_sigterm_stops_gracefully_with_checkpoint(repo, tmp_path):
         if hb.name.endswith(".data.json"):
             continue
         assert json.loads(hb.read_text())["state"] == "stopped", hb.name
+
+
+def test_a_restarted_targets_timeline_runs_from_its_death(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(
+        repo, tmp_path, run_dir, "--set", "pipeline.restart_targets=true", "--set", "train.total_steps=100000"
+    )
+    run = RunDir(run_dir)
+    _wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
+    killed_at = time.time()
+    os.kill(run.read_events("launched")[0]["targets"]["target-0"], signal.SIGKILL)
+    target_starts = lambda: [e for e in run.read_events("generation_start") if e["role"] == "target"]  # noqa: E731
+    _wait_for(lambda: len(target_starts()) == 2, 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    restart = target_starts()[1]
+    assert restart["generation"] == 1 and restart["restart"] and restart["origin"] == "death"
+    names = [p["phase"] for p in restart["phases"]]
+    assert names == ["death_detection", "respawn", "process_start", *TARGET_PHASES], names
+    assert killed_at - 1.1 <= restart["origin_at"] <= killed_at + 0.05
+    gap = restart["t"] - killed_at
+    total = _contiguous(restart)
+    assert abs(total - gap) <= 0.1 * gap, (total, gap, restart["phases"])
 
 
 def test_target_death_stops_job_cleanly(repo, tmp_path):
