@@ -18,6 +18,7 @@ from rich.text import Text
 from runner.watch.findings import Finding, exit_code
 from runner.watch.signals import fmt_duration, fmt_gib, fmt_tok
 from runner.watch.snapshot import GpuView, Snapshot, WorkerView
+from runner.watch.timeline import cost, last_restart
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -129,8 +130,10 @@ def worker_table(workers: Sequence[WorkerView], stale_s: float = 10.0) -> Text:
 
 def pipeline_panel(snap: Snapshot) -> Panel:
     p = snap.pipeline
+    restart = last_restart(snap.events)
+    tail = [] if restart is None else [f"last restart (gen {restart.generation}): {cost(restart)}"]
     if p is None:
-        return Panel(Text("no metrics record yet"), title="pipeline", title_align="left")
+        return Panel(Text("\n".join(["no metrics record yet", *tail])), title="pipeline", title_align="left")
     tok = [v for _, v in snap.series("tok_s", SPARK_WINDOW_S)]
     eta = "n/a" if p.eta_s is None else fmt_duration(p.eta_s)
     base = "" if snap.baseline_tok_s is None else f"   baseline {fmt_tok(snap.baseline_tok_s)}"
@@ -145,6 +148,7 @@ def pipeline_panel(snap: Snapshot) -> Panel:
             f"step {p.step}   epoch {'n/a' if p.epoch is None else f'{p.epoch:.2f}'}   ETA {eta}   "
             f"metrics {fmt_duration(p.age_s)} old"
         ),
+        *tail,
     ]
     return Panel(Text("\n".join(lines)), title="pipeline", title_align="left")
 
@@ -199,6 +203,7 @@ def snapshot_json(snapshot: Snapshot, findings: Sequence[Finding]) -> dict[str, 
         "pipeline": None if snapshot.pipeline is None else dataclasses.asdict(snapshot.pipeline),
         "tok_s_history": [v for _, v in snapshot.series("tok_s", SPARK_WINDOW_S)],
         "baseline_tok_s": snapshot.baseline_tok_s,
+        "last_restart": None if (tl := last_restart(snapshot.events)) is None else tl.to_dict(),
         "xid_supported": snapshot.xid_supported,
         "findings": [f.to_dict() for f in findings],
     }

@@ -9,6 +9,7 @@ from runner.watch.findings import Finding, Severity
 from runner.watch.signals import fmt_duration
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
+from runner.watch.timeline import cost, last_restart
 
 DEGRADED_WORDS = {
     "unfused_flex": "flex attention runs unfused (the slow fallback, not the compiled kernel)",
@@ -100,17 +101,32 @@ def restarts(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             rest = "; no restarts left: the next drafter death stops the job"
         else:
             rest = "" if left is None else f"; {left} left"
+        generation = group[-1].get("generation")
+        # The newest restart may not have trained its first step yet: then the cost is an earlier one's.
+        tl = last_restart(snap.events)
+        slow = tl.slowest()[0] if tl is not None and tl.phases else None
+        if tl is None:
+            took = ""
+        elif tl.generation == generation:
+            took = f"; it took {cost(tl)}"
+        else:
+            took = f"; generation {tl.generation} took {cost(tl)}"
         out.append(
             Finding(
                 severity="warning" if left == 0 else "info",
                 kind="restarts",
                 subject="drafter-group",
-                message=(
-                    f"the drafter group restarted {len(group)} time(s) "
-                    f"(generation {group[-1].get('generation')}){rest}"
-                ),
+                message=f"the drafter group restarted {len(group)} time(s) (generation {generation}){took}{rest}",
                 advice="the drafter findings and logs/drafter-group-node0.log say why they died",
-                numbers={"restarts": len(group), "left": left},
+                numbers={
+                    "restarts": len(group),
+                    "left": left,
+                    "timed_generation": None if tl is None else tl.generation,
+                    "restart_s": None if tl is None else tl.total_s,
+                    "slowest_phase": None if slow is None else slow.name,
+                    "slowest_phase_s": None if slow is None else slow.seconds,
+                    "rolled_back_steps": None if tl is None else tl.rolled_back_steps,
+                },
             )
         )
     for e in targets:

@@ -6,7 +6,10 @@ alone: metrics.jsonl, events.jsonl, run.json, and watch/samples.jsonl where `dfl
 
 Panels: tok/s, loss, acc, streak, q_pre (a line per target), q_hs, GPU utilization and GPU memory
 (a line per GPU); on every panel vertical markers for drafter-group restarts, watch's actions, watch's
-findings (colored by severity) and the job's stops. Torn last lines (a writer killed mid-write, or
+findings (colored by severity) and the job's stops. Below them, where the job wrote `generation_start`
+events, one row per start of a worker generation (the drafter group's and the targets', first starts
+and restarts) with one bar per phase, from the death (or the launch) to the first step; the text
+gives each start's cost and its slowest phases. Torn last lines (a writer killed mid-write, or
 still writing) are skipped in every file.
 
 matplotlib is imported inside build_report: it pulls in numpy, which no runner module may import when
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import RunnerError
 from runner.rundir import last_lifecycle, parse_jsonl
 from runner.watch.signals import fmt_duration, fmt_tok
+from runner.watch.timeline import StartTimeline, cost, secs, starts
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -178,6 +182,8 @@ class ReportSummary:
     stopped_at_step: int | None
     watch_samples: int
     gpus: int
+    starts: list[dict[str, Any]]
+    """Each start of a worker generation, phase by phase (runner.watch.timeline.StartTimeline)."""
     lines: list[str]
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +241,7 @@ def summarize(data: RunData, png: Path) -> ReportSummary:
     )
     stop = _stop(data.events)
     stop_step = _num(stop.get("step")) if stop else None
+    tls = starts(data.events)
     s = ReportSummary(
         run_id=data.run_id,
         run_dir=str(data.run_dir),
@@ -260,17 +267,29 @@ def summarize(data: RunData, png: Path) -> ReportSummary:
         stopped_at_step=None if stop_step is None else int(stop_step),
         watch_samples=data.samples,
         gpus=len(data.gpus),
+        starts=[tl.to_dict() for tl in tls],
         lines=[],
     )
-    s.lines = _lines(s, findings_total=len(findings), actions_total=sum(actions.values()))
+    s.lines = _lines(s, findings_total=len(findings), actions_total=sum(actions.values()), tls=tls)
     return s
+
+
+def start_lines(tls: Sequence[StartTimeline], run_start: float | None) -> list[str]:
+    """A line per start of a worker generation: when, its cost and its slowest phases."""
+    out = []
+    for tl in tls:
+        when = "" if tl.t is None or run_start is None else f" at {fmt_duration(max(0.0, tl.t - run_start))}"
+        out.append(f"  {tl.label}{when}: {cost(tl, slowest=3)}")
+    return out
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _lines(s: ReportSummary, *, findings_total: int, actions_total: int) -> list[str]:
+def _lines(
+    s: ReportSummary, *, findings_total: int, actions_total: int, tls: Sequence[StartTimeline]
+) -> list[str]:
     when = (
         ""
         if s.started_at is None
@@ -291,6 +310,9 @@ def _lines(s: ReportSummary, *, findings_total: int, actions_total: int) -> list
         lines.append(f"restarts: {s.restarts} of the drafter group{gen}{tgt}")
     else:
         lines.append("restarts: none")
+    if tls:
+        lines.append("starts (origin -> first step or batch, slowest phases):")
+        lines += start_lines(tls, s.started_at)
     if findings_total:
         sev = ", ".join(
             f"{s.findings_by_severity[k]} {k}"
@@ -486,9 +508,19 @@ def make_figure(data: RunData, summary: ReportSummary) -> Figure:
     def x(ts: Sequence[float]) -> list[float]:
         return [(t - start) / scale for t in ts]
 
-    fig = Figure(figsize=(16, 13), dpi=100, layout="constrained")
+    tls = starts(data.events)
+    fig = Figure(figsize=(16, 13 + (0.6 + 0.35 * len(tls) if tls else 0)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 2, sharex=True)
+    if tls:
+        grid = fig.add_gridspec(5, 2, height_ratios=[1, 1, 1, 1, max(0.6, 0.18 * len(tls))])
+        first = fig.add_subplot(grid[0, 0])
+        axes = [
+            [first if (r, c) == (0, 0) else fig.add_subplot(grid[r, c], sharex=first) for c in (0, 1)]
+            for r in range(4)
+        ]
+        _starts_panel(fig.add_subplot(grid[4, :]), tls)
+    else:
+        axes = fig.subplots(4, 2, sharex=True)
     pipe = (
         data.manifest.get("config", {}).get("pipeline", {})
         if isinstance(data.manifest.get("config"), dict)
@@ -539,6 +571,34 @@ def make_figure(data: RunData, summary: ReportSummary) -> Figure:
         head += f", stopped: {summary.stop_reason}"
     fig.suptitle(head, fontsize=12)
     return fig
+
+
+STARTS_TITLE = "starts: phases from the death (restart) or the launch to the first step (s)"
+
+
+def _starts_panel(ax: Axes, tls: Sequence[StartTimeline]) -> None:
+    """One row per start of a worker generation, one bar per phase at its offset from the origin;
+    the phases' colors are shared by every row (one legend), the row ends with its total."""
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    names = list(dict.fromkeys(p.name for tl in tls for p in tl.phases))
+    palette = colormaps["tab20"]
+    color = {n: palette(i % 20) for i, n in enumerate(names)}
+    for row, tl in enumerate(tls):
+        for p in tl.phases:
+            ax.barh(row, p.seconds, left=p.offset_s, height=0.6, color=color[p.name], gid=f"phase:{p.name}")
+        end = max((p.offset_s + p.seconds for p in tl.phases), default=0.0)
+        if tl.total_s is not None:
+            ax.text(end, row, f" {secs(tl.total_s)} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(tls)), [tl.label for tl in tls], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(STARTS_TITLE, loc="left", fontsize=10)
+    ax.set_xlabel("seconds since the death (restart) or the launch (first start)", fontsize=9)
+    ax.grid(True, axis="x", lw=0.3, alpha=0.5)
+    ax.tick_params(labelsize=8)
+    handles = [Patch(color=color[n], label=n) for n in names]
+    ax.legend(handles=handles, fontsize=7, ncol=min(7, max(1, len(names))), loc="lower right", framealpha=0.8)
 
 
 def write_png(fig: Figure, out: Path) -> None:

@@ -76,3 +76,40 @@ def test_before_the_first_sample_and_json() -> None:
     assert again["exit_code"] == 0 and again["findings"] == []
     assert again["gpus"][2]["workers"] == ["drafter-0"] and again["pipeline"]["q_hs"] == [3]
     assert {w["name"] for w in again["workers"]} == {"target-0", "target-1", "drafter-0", "drafter-1"}
+
+
+def test_the_last_restart_and_its_slowest_phases_on_the_dashboard_and_in_json() -> None:
+    s = healthy_sample(T0)
+    s["metrics"] = [metric(T0 - 60, tok_s=18000.0)]
+    phases = [("death_detection", 0.5, T0 - 30), ("imports", 2.5, T0 - 29.5), ("first_step", 6.0, T0 - 27)]
+    s["events"] = [
+        {"event": "restart", "role": "drafter-group", "generation": 1},
+        {
+            "t": T0 - 21,
+            "event": "generation_start",
+            "role": "drafter-group",
+            "generation": 1,
+            "restart": True,
+            "origin": "death",
+            "origin_at": T0 - 30,
+            "total_s": 9.0,
+            "phases": [{"phase": n, "seconds": sec, "start": at} for n, sec, at in phases],
+            "rolled_back_steps": 1,
+            "resumed_from_kind": "checkpoint",
+        },
+    ]
+    history = History()
+    snap = history.ingest(s)
+    text = render(render_dashboard(snap, detect(history.snapshots)))
+    assert (
+        "last restart (gen 1): 9.0 s from death to first step, 1 step rolled back (from checkpoint); "
+        "slowest: first_step 6.0 s, imports 2.5 s" in " ".join(text.replace("│", " ").split())
+    ), text
+    doc = json.loads(json.dumps(snapshot_json(snap, detect(history.snapshots))))
+    last = doc["last_restart"]
+    assert last["generation"] == 1 and last["slowest_phase"] == "first_step" and last["total_s"] == 9.0
+    assert [(p["phase"], p["offset_s"]) for p in last["phases"]] == [
+        ("death_detection", 0.0),
+        ("imports", 0.5),
+        ("first_step", 3.0),
+    ]

@@ -402,3 +402,69 @@ def test_docs_list_every_threshold_with_its_default() -> None:
     rows = re.findall(r"^\| `(\w+)` \| ([0-9.]+) \|", doc, flags=re.M)
     assert {k: float(v) for k, v in rows} == {k: float(v) for k, v in Thresholds().to_table().items()}
     assert len(rows) == len(Thresholds().to_table()), "each threshold listed once"
+
+
+def _generation_start(
+    t: float, generation: int, phases: list[tuple[str, float]], **kw: Any
+) -> dict[str, Any]:
+    """A drafter group's `generation_start` as the job writes it (dflash/pipeline/timeline.py)."""
+    at, out = t - sum(s for _, s in phases), []
+    origin = at
+    for name, s in phases:
+        out.append({"phase": name, "start": at, "seconds": s})
+        at += s
+    return {
+        "t": t,
+        "event": "generation_start",
+        "role": "drafter-group",
+        "worker": "drafter-0",
+        "generation": generation,
+        "restart": generation > 0,
+        "origin": "death" if generation else "launch",
+        "origin_at": origin,
+        "ready_at": at,
+        "total_s": at - origin,
+        "phases": out,
+        **kw,
+    }
+
+
+def test_the_restart_finding_names_the_slowest_phase_and_its_seconds() -> None:
+    restart = {"event": "restart", "role": "drafter-group", "generation": 1}
+    timed = _generation_start(
+        T0 - 5,
+        1,
+        [("death_detection", 0.4), ("imports", 2.6), ("model_build", 17.25), ("first_step", 5.7)],
+        resumed_from=0,
+        resumed_from_kind=None,
+        died_at_step=6,
+        rolled_back_steps=6,
+    )
+    s = sample(events=[restart, timed])
+    s["manifest"]["config"]["pipeline"]["max_restarts"] = 3
+    (f,) = run(s)
+    assert f.kind == "restarts" and "it took 26.0 s from death to first step" in f.message, f.message
+    assert "6 steps rolled back (from step 0)" in f.message
+    assert "slowest: model_build 17.2 s, first_step 5.7 s" in f.message, f.message
+    assert f.numbers["slowest_phase"] == "model_build" and f.numbers["slowest_phase_s"] == 17.25
+    assert f.numbers["restart_s"] == pytest.approx(25.95) and f.numbers["rolled_back_steps"] == 6
+    # A second restart whose generation has not trained yet: the finding says whose cost it quotes.
+    s["events"] = [restart, timed, dict(restart, generation=2)]
+    (f,) = run(s)
+    assert "generation 1 took 26.0 s" in f.message and f.numbers["timed_generation"] == 1
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        {"phases": "fast"},
+        {"phases": [None, {"phase": "x"}, {"phase": "y", "seconds": "3"}, {"seconds": 1.0}]},
+        {"total_s": float("nan"), "origin_at": "yesterday", "graphs": [1, 2], "generation": "one"},
+        {"rolled_back_steps": -4, "died_at_step": 2.5, "resumed_from_kind": 7},
+    ],
+)
+def test_a_malformed_timeline_reads_as_unknown_never_an_error(junk: dict[str, Any]) -> None:
+    restart = {"event": "restart", "role": "drafter-group", "generation": 1}
+    timed = {**_generation_start(T0 - 5, 1, [("imports", 2.0)]), **junk}
+    (f,) = run(sample(events=[restart, timed]))
+    assert f.kind == "restarts" and "restarted 1 time(s)" in f.message

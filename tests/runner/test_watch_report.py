@@ -385,3 +385,85 @@ def test_cli_on_a_remote_host_copies_only_what_it_reads(
     save_record(tmp_path / "state", "gone-1", sshd_server.host, tmp_path / "host" / "gone-1")
     r = invoke("gone-1")
     assert r.exit_code == 1 and "does not exist" in r.output
+
+
+def _start(
+    t: float, role: str, worker: str, generation: int, phases: list[tuple[str, float]]
+) -> dict[str, Any]:
+    at = origin = t - sum(s for _, s in phases)
+    out = []
+    for name, s in phases:
+        out.append({"phase": name, "start": at, "seconds": s})
+        at += s
+    return {
+        "t": t,
+        "event": "generation_start",
+        "role": role,
+        "worker": worker,
+        "generation": generation,
+        "restart": generation > 0,
+        "origin": "death" if generation else "launch",
+        "origin_at": origin,
+        "ready_at": at,
+        "total_s": round(at - origin, 3),
+        "phases": out,
+        "resumed_from": 8 if generation else None,
+        "resumed_from_kind": "checkpoint" if generation else None,
+        "died_at_step": 11 if generation else None,
+        "rolled_back_steps": 3 if generation else None,
+        "graphs": {"8x256": 1.5},
+    }
+
+
+def test_each_start_is_a_row_of_phase_bars_in_the_figure_the_text_and_json(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", samples=30)
+    first = [("launcher_start", 1.0), ("process_start", 0.01), ("imports", 3.0), ("first_step", 2.0)]
+    again = [
+        ("death_detection", 0.5),
+        ("respawn", 0.25),
+        ("imports", 2.75),
+        ("model_build", 4.0),
+        ("first_step", 1.5),
+    ]
+    target = [("process_start", 0.0), ("imports", 3.5), ("model_load", 0.5)]
+    with open(run / "events.jsonl", "a") as f:
+        f.write("\n")  # after make_run's torn last line: the job's next record starts a line of its own
+    append_jsonl(
+        run / "events.jsonl",
+        _start(T0 + 8, "target", "target-0", 0, target),
+        _start(T0 + 9, "drafter-group", "drafter-0", 0, first),
+        _start(T0 + 215, "drafter-group", "drafter-0", 1, again),
+    )
+    data = load_run(run)
+    summary = summarize(data, tmp_path / "x.png")
+    ax = panels(make_figure(data, summary))[report_mod.STARTS_TITLE]
+    bars = [b for b in ax.patches if (b.get_gid() or "").startswith("phase:")]
+    rows: dict[int, list[tuple[str, float, float]]] = {}
+    for b in bars:
+        rows.setdefault(round(b.get_y() + b.get_height() / 2), []).append(
+            (b.get_gid().removeprefix("phase:"), round(b.get_x(), 3), round(b.get_width(), 3))
+        )
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "target-0 start (gen 0)",
+        "drafters start (gen 0)",
+        "drafters restart (gen 1)",
+    ]
+    offsets = [0.0, 0.5, 0.75, 3.5, 7.5]
+    assert rows[2] == [(n, o, s) for (n, s), o in zip(again, offsets, strict=True)], "a bar per phase"
+    assert [r[0] for r in rows[1]] == [n for n, _ in first] and len(rows[0]) == len(target)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:4] == ["process_start", "imports", "model_load", "launcher_start"], "one color per phase"
+    assert (
+        "  drafters restart (gen 1) at 4 min: 9.0 s from death to first step, 3 steps rolled back "
+        "(from checkpoint); slowest: model_build 4.0 s, imports 2.8 s, first_step 1.5 s" in summary.lines
+    ), summary.lines
+    d = summary.to_dict()["starts"]
+    assert [s["label"] for s in d] == [
+        "target-0 start (gen 0)",
+        "drafters start (gen 0)",
+        "drafters restart (gen 1)",
+    ]
+    assert d[2]["slowest_phase"] == "model_build" and d[2]["total_s"] == 9.0
+    assert [p["phase"] for p in d[2]["phases"]] == [n for n, _ in again]
+    r = invoke(str(run), "--json", "--out", str(tmp_path / "r.png"))
+    assert r.exit_code == 0 and json.loads(r.output)["starts"] == d
