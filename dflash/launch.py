@@ -31,7 +31,7 @@ from typing import Any
 from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
+from dflash.pipeline import DATA_SUMMARY_ENV, STOP_FILE_ENV, worker_devices
 from dflash.pipeline.timeline import DETECTED_AT_ENV, GENERATION_ENV, LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from dflash.rundir import (
     SUPERVISOR_ENV,
@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
     return p.parse_args(argv)
 
+
+STOP_FILE = "stopping"
+"""In the run directory while the supervisor stops the job: torchrun restarts no failed group."""
 
 LOCAL_ENDPOINT = "127.0.0.1:0"
 """A one-host group's rendezvous: loopback, the port chosen by the store when it binds."""
@@ -194,6 +197,9 @@ class Supervisor:
     launched_at: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
     """The data counts (TokenizedDataset.summary) of the data the targets read."""
+    stopped_workers: set[int] = field(default_factory=set)
+    """Drafter worker pids told to stop (stop_drafters)."""
+    torchrun_signalled: bool = False
     targets_released: bool = False
     """The drafters trained every step (event drafters_done): the targets were told to stop while
     the drafter processes and torchrun exit, instead of after them; their exits are no deaths."""
@@ -206,13 +212,13 @@ class Supervisor:
         self.signals += 1
         if self.signals == 1:
             self.stopping = f"signal {signal.Signals(signum).name}"
-            if self.drafters:
-                self.drafters.signal(signal.SIGTERM)
+            self.stop_drafters()
         else:
             for p in [*self.targets, *([self.drafters] if self.drafters else [])]:
                 p.kill_tree(wait=False)
 
     def start(self, queue_name: str) -> None:
+        self.stop_file.unlink(missing_ok=True)  # an earlier launch's stop is not this one's
         # Failures are judged from this launch's events only (a resumed run has older generations).
         self.events_offset = self.run.events.stat().st_size if self.run.events.exists() else 0
         target_devs, _ = worker_devices(self.cfg)
@@ -271,6 +277,7 @@ class Supervisor:
                 "OMP_NUM_THREADS": str(worker_threads("drafter")),
                 DATA_SUMMARY_ENV: json.dumps(self.data),
                 LAUNCHED_AT_ENV: repr(time.time()),
+                STOP_FILE_ENV: str(self.stop_file),
             }
         )
         self.run.event(
@@ -283,6 +290,40 @@ class Supervisor:
             commands={p.name: shlex.join(p.argv) for p in [*self.targets, self.drafters]},
             data=self.data,
         )
+
+    @property
+    def stop_file(self) -> Path:
+        return self.run.root / STOP_FILE
+
+    def stop_drafters(self) -> None:
+        """A graceful stop of the drafter group: no more restarts (the stop file, which
+        dflash.pipeline.torchrun reads before it restarts a failed group), then SIGTERM to each
+        drafter worker itself. They agree on a step, checkpoint and exit 0, and torchrun with them.
+        Not torchrun: on a signal it stops its workers itself, SIGKILLs any still checkpointing 30 s
+        later, and exits 1. A death after this (one during the final checkpoint) is still one: it
+        ends the group without a restart, with a non-zero exit code."""
+        if self.drafters is None or self.drafters.popen is None or self.drafters.poll() is not None:
+            return
+        self.stop_file.touch()
+        import psutil
+
+        try:
+            workers = psutil.Process(self.drafters.popen.pid).children()
+        except psutil.NoSuchProcess:
+            return
+        if not workers and not self.stopped_workers:
+            if not self.torchrun_signalled:
+                self.torchrun_signalled = True
+                self.drafters.signal(signal.SIGTERM)  # torchrun has no workers yet: nothing to checkpoint
+            return
+        for w in workers:
+            if w.pid in self.stopped_workers:
+                continue
+            self.stopped_workers.add(w.pid)
+            try:
+                w.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
 
     def echo_metrics(self) -> None:
         records, self.metrics_offset = read_jsonl_from(self.run.metrics, self.metrics_offset)
@@ -348,11 +389,12 @@ class Supervisor:
                     )
                 else:
                     self.stopping = f"{proc.name} died (exit code {code})"
-                    self.drafters.signal(signal.SIGTERM)
+                    self.stop_drafters()
             code = self.drafters.poll()
             if code is not None:
                 return code
             if self.stopping:
+                self.stop_drafters()  # a generation torchrun started since is told too
                 self.stopping_since = self.stopping_since or time.time()
                 if time.time() - self.stopping_since > self.stop_grace_s:
                     self.run.event(
@@ -632,8 +674,8 @@ def launch(args: argparse.Namespace) -> int:
     os.environ[SUPERVISOR_ENV] = supervisor_token()
     try:
         sup.start(name)
-        if sup.stopping and sup.drafters:  # a signal arrived while the workers were starting
-            sup.drafters.signal(signal.SIGTERM)
+        if sup.stopping:  # a signal arrived while the workers were starting
+            sup.stop_drafters()
         code = sup.watch()
         outcome = sup.shutdown(code)
     finally:

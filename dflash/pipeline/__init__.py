@@ -10,6 +10,10 @@ DATA_SUMMARY_ENV = "DFLASH_DATA_SUMMARY"
 """Set by the launcher for the drafter group: the data counts (TokenizedDataset.summary, JSON) of the
 data the targets read, for the drafter group's `started` event (the drafters read no data)."""
 
+STOP_FILE_ENV = "DFLASH_STOP_FILE"
+"""Set by the launcher for torchrun: a file that exists while the job is being stopped; torchrun
+restarts no failed drafter group then (dflash.pipeline.torchrun)."""
+
 
 def worker_devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
     """(target devices, local drafter devices) of one host: the config's lists, or by default targets

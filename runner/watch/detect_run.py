@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runner.rundir import clean_stop
 from runner.watch.findings import Finding, Severity
 from runner.watch.signals import fmt_duration
 from runner.watch.snapshot import Snapshot
@@ -159,15 +160,30 @@ def job_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     if snap.job.get("lock_held") is not False:
         return []  # running, or cannot tell
     stops = [e for e in snap.events if e.get("event") == "stopped"]
-    reason = str(stops[-1].get("reason", "")) if stops else ""
-    severity: Severity = "info" if reason == "completed" else "warning"
+    stop = stops[-1] if stops else {}
+    reason = str(stop.get("reason", ""))
+    drafter_code = stop.get("drafter_exit_code")
+    died_in_stop = clean_stop(reason) and reason != "completed" and drafter_code not in (0, None)
+    # A stop that was asked for (a signal) and ended cleanly is news, not a problem.
+    severity: Severity = "info" if clean_stop(reason) and not died_in_stop else "warning"
+    advice = "start it again with the same --run-dir: it resumes from its newest checkpoint"
     if reason == "completed":
         message, advice = "the job completed", ""
+    elif died_in_stop:
+        message = (
+            f"the job stopped ({reason}), but the drafter group exited with code {drafter_code}: a drafter "
+            "died while it stopped, so its final checkpoint may be missing"
+        )
+        advice = "read logs/drafter-*.log; " + advice + " (the newest complete one)"
+    elif clean_stop(reason):
+        done = [e for e in snap.events if e.get("event") == "drafters_done" and e.get("stopped_by_signal")]
+        step = done[-1].get("step") if done else None
+        at = f", the drafters' final step {step} checkpointed" if isinstance(step, int) and step > 0 else ""
+        message = f"the job was stopped on request ({reason}){at}"
     else:
         message = (
             f"the job stopped: {reason}" if reason else "the job is not running: no process holds job.lock"
         )
-        advice = "start it again with the same --run-dir: it resumes from its newest checkpoint"
     return [
         Finding(
             severity=severity,
@@ -175,7 +191,7 @@ def job_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             subject="run",
             message=message,
             advice=advice,
-            numbers={"reason": reason or None},
+            numbers={"reason": reason or None, "drafter_exit_code": drafter_code},
         )
     ]
 
