@@ -9,7 +9,8 @@ only. Exit code 0 when the config is fine, 2 when anything is wrong (a failure o
 too). With --json the last stdout line is one object, for dflashctl to parse:
     {"ok": bool, "errors": [{"key": str, "message": str}], "warnings": [{"key", "message"}],
      "config": the resolved config, or null when the config has errors,
-     "shm_bytes": bytes of /dev/shm the host's hidden-state queue maps, or null when unknown,
+     "shm_bytes": bytes of /dev/shm the host's hidden-state queue and its two drafter state copies
+                  (pipeline.state_copy_every) map, or null when unknown,
      "entry": "dflash.launch"}
 `key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments,
 --run-dir). Config errors are the job's own validation (dflash.config: each field's Range and the
@@ -118,7 +119,9 @@ def check(
     _check_data(cfg, report)
     sizes = _target_sizes(cfg, report)
     if sizes is not None:
-        report.shm_bytes = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
+        queue = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
+        copies = _state_copy_bytes(cfg, report)
+        report.shm_bytes = None if queue is None else queue + copies
     if device is not None:
         _check_fused_qk_norm_rope(cfg, device, sizes, report)
     return report
@@ -287,6 +290,45 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
             "or pipeline.slot_mb",
         )
     return need
+
+
+def _state_copy_bytes(cfg: JobConfig, report: Report) -> int:
+    """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
+    the launcher sizes them: the drafter built on the meta device from the target's config.json."""
+    if not cfg.pipeline.state_copy_every:
+        return 0
+    from dflash.pipeline.state_copy import copies_nbytes
+    from dflash.spec import resolve_spec
+
+    try:
+        if cfg.target.path == "tiny":
+            from dflash.demo import tiny_config
+
+            target = tiny_config(cfg.target.tiny_layers, cfg.target.tiny_hidden)
+        else:
+            from transformers import Qwen3Config
+
+            from dflash.target import check_model_dir
+
+            text = json.loads((check_model_dir(cfg.target.path) / "config.json").read_text())
+            if "num_hidden_layers" not in text:  # multimodal checkpoints keep the language model's here
+                text = text.get("text_config") or {}
+            text = {k: v for k, v in text.items() if k != "model_type"}
+            if "num_attention_heads" in text:  # as transformers reads a config.json without it
+                text.setdefault("num_key_value_heads", text["num_attention_heads"])
+            target = Qwen3Config(**text)
+        # The mask token does not change the trainable sizes (the embedding and head are frozen).
+        spec = resolve_spec(cfg.drafter, target, 0)
+    except (ConfigError, DFlashError, OSError, ValueError, TypeError) as e:
+        # What stops the drafter's sizes is reported by the checks it belongs to; alone, a warning.
+        if not report.errors:
+            report.warn(
+                "pipeline.state_copy_every",
+                f"the drafter state copies cannot be sized from the target's config.json ({e}): "
+                "shm_bytes counts the hidden-state queue only",
+            )
+        return 0
+    return copies_nbytes(spec)
 
 
 class _UsageError(Exception):

@@ -410,6 +410,13 @@ class PipelineConfig:
     """How long the drafter group waits for every host to join before it fails with an error."""
     slot_mb: Annotated[int, AtLeast0] = 0
     """Shared-memory slot size in MiB; 0 = derived from the batch shape."""
+    state_copy_every: Annotated[int, AtLeast0] = 1
+    """Steps between copies of the drafter group's training state in host shared memory
+    (dflash.pipeline.state_copy): a drafter death rolls back at most this many steps instead of to
+    the newest checkpoint. Two copies per host (float32 weights and AdamW moments: 12 bytes per
+    trainable parameter each); the copy overlaps the next step. 0 = off. A batch is acked once a
+    copy holds its step, so each drafter holds up to state_copy_every + 1 batches of the queue (and
+    one more for the moment the newest copy takes), which pipeline.queue_depth must leave room for."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -467,7 +474,18 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
         )
         problems.append((problem, ("train.block_token_budget", "train.num_anchors", "drafter.block_size")))
     p = cfg.pipeline
-    if p.queue_depth < 2 * p.drafters:
+    held = p.state_copy_every + 1
+    if p.state_copy_every > 1 and p.queue_depth < held * p.drafters:
+        need = held * p.drafters
+        problem = ConfigError(
+            "pipeline.queue_depth",
+            f"({p.queue_depth}) is below {need}: with pipeline.state_copy_every = {p.state_copy_every} "
+            f"each of the {p.drafters} drafter(s) holds up to {held} batches until a state copy covers "
+            "their steps, so the drafters would wait on each other for batches; raise "
+            f"pipeline.queue_depth to at least {need}, or lower pipeline.state_copy_every",
+        )
+        problems.append((problem, ("pipeline.queue_depth", "pipeline.state_copy_every", "pipeline.drafters")))
+    elif p.queue_depth < 2 * p.drafters:
         problem = ConfigError(
             "pipeline.queue_depth",
             f"({p.queue_depth}) is below 2 x pipeline.drafters ({p.drafters}): each drafter holds two "

@@ -14,6 +14,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dflash.errors import DFlashError
 from dflash.rundir import atomic_write_bytes, install_dir
@@ -190,6 +191,25 @@ def check_tiny(layers: int, hidden: int) -> None:
         )
 
 
+def tiny_config(layers: int, hidden: int, *, vocab: int = 256, **extra: Any) -> Any:
+    """The tiny target's Qwen3Config (16-dim heads, half as many KV heads); `vocab` is the
+    tokenizer's padded size where it matters (the drafter's trainable sizes do not depend on it)."""
+    from transformers import Qwen3Config
+
+    head_dim = 16
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=max(1, hidden // head_dim // 2),
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        **extra,
+    )
+
+
 def make_tiny_target(
     path: Path, *, layers: int = 8, hidden: int = 64, seed: int = 0, tie_embeddings: bool = False
 ) -> Path:
@@ -231,20 +251,14 @@ def _build_tiny_target(
     path: Path, spec: dict[str, int | bool], *, layers: int, hidden: int, seed: int, tie_embeddings: bool
 ) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     tok = build_tiny_tokenizer()
     vocab = -(-len(tok) // 64) * 64  # padded like real checkpoints: the embedding is larger than len(tok)
-    head_dim = 16
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // head_dim,
-        num_key_value_heads=max(1, hidden // head_dim // 2),
-        head_dim=head_dim,
-        max_position_embeddings=8192,
+    config = tiny_config(
+        layers,
+        hidden,
+        vocab=vocab,
         tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,

@@ -607,8 +607,34 @@ class EarlyStop:
             raise StoppedBeforeStart(self.reason)
 
 
+def state_copies(cfg: JobConfig, spec: Any, run: RunDir, queue_name: str, queue_bytes: int) -> None:
+    """Before any worker: crashed jobs' copies removed, this host's memory checked for two copies of
+    the drafter group's state (a refusal names pipeline.state_copy_every), and the copy directory
+    made, owned by this supervisor (dflash.pipeline.state_copy)."""
+    from dflash.pipeline.state_copy import (
+        copy_nbytes,
+        host_memory_problem,
+        host_room,
+        prepare_copies,
+        remove_stale_copies,
+    )
+
+    for gone in remove_stale_copies():
+        run.event("state_copy_stale_removed", path=str(gone), reason="its supervisor is gone")
+    every = cfg.pipeline.state_copy_every
+    if not every:
+        return
+    problem = host_memory_problem(
+        copy_nbytes(spec), *host_room(), cfg.pipeline.drafters, every, queue_bytes=queue_bytes
+    )
+    if problem is not None:
+        raise problem
+    prepare_copies(queue_name, supervisor_token())
+
+
 def launch(args: argparse.Namespace) -> int:
-    from dflash.pipeline.transport import HiddenStateQueue, name_for_run
+    from dflash.pipeline.state_copy import remove_copies
+    from dflash.pipeline.transport import HiddenStateQueue, name_for_run, segment_bytes
     from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
 
     if args.json and not args.plan:
@@ -627,6 +653,7 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, early.on_signal)
     run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
     queue = None
+    name = f"{name_for_run(run.root)}-n{args.node_rank}"
     try:
         early.check()
         parts = prepare_data(cfg, run)  # data and tokenizer errors surface here, before any worker starts
@@ -640,7 +667,9 @@ def launch(args: argparse.Namespace) -> int:
         problem = slot_problem(cfg, features, elem)
         if problem is not None:
             raise DFlashError(problem)
-        name = f"{name_for_run(run.root)}-n{args.node_rank}"
+        state_copies(
+            cfg, spec, run, name, segment_bytes(cfg.pipeline.queue_depth, slot_bytes(cfg, features, elem))
+        )
         queue = HiddenStateQueue.create(
             name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
         )
@@ -658,6 +687,7 @@ def launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, sup.on_signal)
         early.check()  # from here on, a signal is the Supervisor's to handle
     except StoppedBeforeStart as e:
+        remove_copies(name)
         if queue is not None:
             queue.close()
             queue.unlink()
@@ -665,6 +695,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"{e.reason} before any worker started; run directory: {run.root}", flush=True)
         return 0
     except BaseException:
+        remove_copies(name)
         if queue is not None:
             queue.close()
             queue.unlink()
@@ -681,6 +712,7 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         for p in [*sup.targets, *([sup.drafters] if sup.drafters else [])]:
             p.kill_tree()
+        remove_copies(name)
         stats = queue.stats()
         queue.close()
         queue.unlink()

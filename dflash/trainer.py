@@ -247,6 +247,9 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
         self.anchor_gen = torch.Generator().manual_seed(cfg.run.seed * 1000 + rank)
+        self.state_copy: Any = None
+        """The pipeline's copier of the training state (dflash.pipeline.state_copy.StateCopier):
+        told before each optimizer step (to wait for the last copy's reads) and after it."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.device.type == "cuda":
@@ -308,9 +311,14 @@ class DrafterTrainer:
             out.loss.backward()
         with record_function("dflash.optimizer"):
             lr = self.scheduler.get_last_lr()[0]
+            if self.state_copy is not None:
+                self.state_copy.before_update()
             grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.train.grad_clip)
             self.scheduler.step()
         self.step += 1
+        if self.state_copy is not None:
+            with record_function("dflash.state_copy"):
+                self.state_copy.after_update(self.step)
         # The step's metrics start for the host now, behind this step's work and ahead of the next
         # step's: reading them (read_step) waits for this step only.
         out.start_read(out.loss.detach(), grad_norm, seq_lens_B.sum())

@@ -25,12 +25,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.pipeline.timeline import TIMELINE, last_heartbeat, number
@@ -129,6 +131,62 @@ def _resume_step(side: Any, g: Group) -> int:
     return int(g.all_reduce([float(local)], "min")[0])
 
 
+def _common_copy_step(g: Group, mine: set[int]) -> int:
+    """The newest state-copy step that every rank of the group can restore (-1: none): rank 0's two
+    newest, kept where every rank has it."""
+    top = [*sorted(mine, reverse=True)[:2], -1, -1][:2]
+    cands = g.all_reduce([float(x) if g.rank == 0 else -1.0 for x in top], "max")
+    has = g.all_reduce([1.0 if int(c) in mine else 0.0 for c in cands], "min")
+    return max((int(c) for c, h in zip(cands, has, strict=True) if h > 0 and c >= 0), default=-1)
+
+
+def _resume(
+    side: Any, g: Group, run: RunDir, copies: Path, every: int, worker: str
+) -> tuple[int, str | None]:
+    """Load the newest state every rank can resume from: a complete state copy newer than the newest
+    checkpoint, else that checkpoint, else nothing. Returns (step, "copy" | "checkpoint" | None).
+    Copies of another trajectory (older than the checkpoint resumed from, or unreadable) are
+    discarded: they must never be resumed from later."""
+    from dflash.pipeline.state_copy import complete_steps, discard_copies, load_copy, torn_slots
+
+    checkpoint = _resume_step(side, g)
+    if every:
+        for begin, end in torn_slots(copies) if g.local_rank == 0 else []:
+            run.event(
+                "state_copy_skipped",
+                worker=worker,
+                step=begin,
+                reason=f"torn copy (its writer died mid-copy: begin {begin}, end {end}) ignored",
+            )
+        copy_step = _common_copy_step(g, complete_steps(copies, g.rank))
+        if copy_step > checkpoint:
+            ok = float(load_copy(side.trainer, copies, g.rank, copy_step))
+            if g.all_reduce([ok], "min")[0] > 0:
+                side.resumed_from = copy_step
+                return copy_step, "copy"
+            if g.rank == 0:
+                run.event(
+                    "state_copy_skipped",
+                    worker=worker,
+                    step=copy_step,
+                    reason="a rank could not read the copy; resuming from the checkpoint",
+                )
+            if checkpoint < 0 and g.all_reduce([ok], "max")[0] > 0:
+                # some ranks hold the copy's state, the others a fresh one: no common start
+                discard_copies(copies, g.rank, tensors=g.local_rank == 0)
+                raise DFlashError(
+                    "the drafter state copy was readable on some ranks only and there is no "
+                    "checkpoint; the copies are discarded and the group starts again"
+                )
+        if g.world > 1:
+            dist.barrier()
+        discard_copies(copies, g.rank, tensors=g.local_rank == 0)
+    if checkpoint >= 0:
+        side.load(run.checkpoints / f"step-{checkpoint}")
+        return checkpoint, "checkpoint"
+    return -1, None
+
+
 def _previous_generation(run: RunDir, g: Group) -> tuple[float | None, int | None]:
     """(when the dead generation died, its last booked step): the earliest last heartbeat of its
     ranks (the one that died stopped writing first; torchrun stopped the others after it), read
@@ -155,6 +213,7 @@ def _redirect_output(path: Any) -> None:
 def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     from dflash.compile_cache import cache_dir_from_env
     from dflash.kernels import compile_counters
+    from dflash.pipeline.state_copy import StateCopier, copy_dir
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
     from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
@@ -183,6 +242,9 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     stepped = False
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    copier: StateCopier | None = None
+    every = cfg.pipeline.state_copy_every
+    copies = copy_dir(queue_name)
     try:
         # The drafters need the target's head and the mask token, not the data: the targets read that.
         target_path, _, mask_id = resolve_target(cfg)
@@ -198,26 +260,34 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
             worker=worker,
             mark=tl.mark,
         )
-        step = _resume_step(side, g)
-        if step >= 0:
-            side.load(run.checkpoints / f"step-{step}")
+        trainer = side.trainer
+        step, kind = _resume(side, g, run, copies, every, worker)
+        if every:
+            copier = StateCopier(
+                trainer,
+                copies,
+                rank=g.rank,
+                writes_tensors=g.local_rank == 0,
+                every=every,
+                on_event=run.event,
+            )
+            trainer.state_copy = copier
         tl.mark("state_restore")
         hs = HiddenStateQueue.attach(queue_name)
         reclaimed = hs.register_consumer(g.generation)
         tl.mark("lease_reclaim")
         if g.rank == 0:
-            kind = "restart" if g.generation > 0 else "started"
             run.event(
-                kind,
+                "restart" if g.generation > 0 else "started",
                 role="drafter-group",
                 generation=g.generation,
                 world_size=g.world,
                 resumed_from=step if step >= 0 else None,
+                resumed_from_kind=kind,
                 reclaimed_batches=reclaimed,
-                backend=side.trainer.backend,
+                backend=trainer.backend,
                 data=json.loads(os.environ.get(DATA_SUMMARY_ENV) or "null"),
             )
-        trainer = side.trainer
         meter = Meter(total_steps=cfg.train.total_steps)
         last_status, last_produced = time.time(), hs.stats()["produced"]
         writes_checkpoints = g.local_rank == 0
@@ -225,6 +295,28 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         log_batches = os.environ.get("DFLASH_LOG_BATCHES") == "1"
         lease, stopped = None, False
         first_shape: dict[str, float] = {}
+        held: list[tuple[int, Any]] = []
+        """Leases of steps read back that no state copy or checkpoint holds yet: acked once one does
+        (a death before then delivers them again, to the step the new generation resumes after)."""
+        covered = max(step, 0)
+
+        def ack_covered(upto: int | None = None) -> None:
+            nonlocal covered, held
+            if upto is not None:
+                covered = max(covered, upto)
+            if copier is not None:
+                covered = max(covered, copier.committed())
+            keep = []
+            for s, held_lease in held:
+                if copier is None or s <= covered:
+                    hs.ack(held_lease)
+                else:
+                    keep.append((s, held_lease))
+            held = keep
+
+        def on_wait() -> None:
+            hb.set("waiting_input")
+            ack_covered()
 
         def emit_timeline(first_step: int) -> None:
             resumed = step if step >= 0 else None
@@ -238,7 +330,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 graphs=first_shape,
                 first_step=first_step,
                 resumed_from=resumed,
-                resumed_from_kind=None if resumed is None else "checkpoint",
+                resumed_from_kind=kind,
                 died_at_step=died_at_step,
                 rolled_back_steps=None if died_at_step is None else max(0, died_at_step - max(step, 0)),
             )
@@ -246,10 +338,11 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         def finish(done: list[tuple[Any, Any]]) -> None:
             """Book the steps read back, oldest first (dflash.trainer.StepAhead keeps one queued
             ahead; the push that queues a checkpoint step reads it). Their batches are acked only
-            now: a batch whose step never completed is redelivered."""
+            once a state copy or checkpoint holds their step (at once without copies): a batch
+            whose step is lost to a death is redelivered."""
             nonlocal last_status, last_produced
             for i, (result, done_lease) in enumerate(done):
-                hs.ack(done_lease)
+                held.append((result.step, done_lease))
                 if log_batches:
                     run.event(
                         "batch",
@@ -293,6 +386,8 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                         side.checkpoint({}, {})
                     if g.world > 1:
                         dist.barrier()
+                    ack_covered(result.step)
+            ack_covered()
 
         while trainer.step < total:
             # Ranks step together or not at all: each first holds a batch (or times out waiting), then
@@ -300,7 +395,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
             # would leave the others hanging in DDP's gradient all-reduce.
             if lease is None:
                 hb.set("waiting_input")
-                lease = hs.get(device=device, timeout=0.5, on_wait=lambda: hb.set("waiting_input"))
+                lease = hs.get(device=device, timeout=0.5, on_wait=on_wait)
             stop_any, missing_any = g.all_reduce([float(stop.is_set()), float(lease is None)], "max")
             if stop_any > 0:
                 stopped = True  # a held lease is handed back by the queue once this process is gone
@@ -329,6 +424,10 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
         if stopped and writes_checkpoints and trainer.step > 0:
             hb.set("checkpointing")
             side.checkpoint({}, {})
+            ack_covered(trainer.step)
+        if copier is not None:
+            copier.close()
+            ack_covered()
         if g.rank == 0:
             stats = hs.stats()
             run.event(

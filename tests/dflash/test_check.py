@@ -152,10 +152,14 @@ def test_target_sizes_come_from_config_json_alone(tmp_path, capsys):
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 512}))
     (model / "model.safetensors").write_bytes(b"not weights: loading them would fail")
     sets = ["target.path=" + str(model), f"run.runs_root={tmp_path}", "drafter.num_target_layers=4"]
-    rc, report = _check(capsys, DEMO, *_sets(*sets))
+    rc, report = _check(capsys, DEMO, *_sets(*sets, "pipeline.state_copy_every=0"))
     assert rc == 0, report["errors"]
     cfg = load_config(DEMO, sets)
     assert report["shm_bytes"] == segment_bytes(8, slot_bytes(cfg, 4 * 512, 4)), "4 layers x 512, float32"
+    # With state copies (the default) their two slots come on top, sized from the same config.json.
+    rc, report = _check(capsys, DEMO, *_sets(*sets))
+    assert rc == 0, report["errors"]
+    assert report["shm_bytes"] > segment_bytes(8, slot_bytes(cfg, 4 * 512, 4)) + 2 * 512 * 512 * 12
     sets.append("drafter.target_layer_ids=[3, 40]")
     rc, report = _check(capsys, DEMO, *_sets(*sets))
     assert rc == 2 and _keys(report) == ["drafter.target_layer_ids"]
@@ -167,6 +171,7 @@ def test_shm_bytes_is_what_the_queue_maps(tmp_path, capsys):
     from transformers import AutoConfig
 
     from dflash.model import resolve_spec
+    from dflash.pipeline.state_copy import copies_nbytes
     from dflash.session import resolve_target, torch_dtype
 
     sets = [f"run.runs_root={tmp_path}", "pipeline.queue_depth=3", "target.dtype=bfloat16"]
@@ -183,7 +188,8 @@ def test_shm_bytes_is_what_the_queue_maps(tmp_path, capsys):
         slot_bytes=slot_bytes(cfg, features, torch_dtype(cfg.target.dtype).itemsize),
     )
     try:
-        assert os.stat(queue.path).st_size == report["shm_bytes"]
+        # The queue and the drafter state copies' file (its size against the real file's: test_state_copy).
+        assert os.stat(queue.path).st_size + copies_nbytes(spec) == report["shm_bytes"]
     finally:
         queue.close()
         queue.unlink()

@@ -43,6 +43,7 @@ ALLOWED: dict[str, set[float]] = {
     "train.betas": {0},  # no momentum / no second-moment averaging
     "pipeline.max_restarts": {0},  # no drafter-group restarts
     "pipeline.slot_mb": {0},  # derived from the batch shape
+    "pipeline.state_copy_every": {0},  # no state copies: a death rolls back to the checkpoint
 }
 """Values accepted for their documented meaning (each field's docstring in dflash/config.py)."""
 
@@ -161,6 +162,14 @@ def test_cross_field_rules():
         ("train.weight_decay=1000",): "train.weight_decay",  # lr 3e-3 x 1000 >= 1
         ("pipeline.drafters=3", "pipeline.queue_depth=5"): "pipeline.queue_depth",  # 2 per drafter
         ("pipeline.drafters=3", "pipeline.queue_depth=6"): None,
+        # a state copy every 4 steps: each drafter holds up to 5 batches until a copy covers them
+        (
+            "pipeline.drafters=2",
+            "pipeline.state_copy_every=4",
+            "pipeline.queue_depth=9",
+        ): "pipeline.queue_depth",
+        ("pipeline.drafters=2", "pipeline.state_copy_every=4", "pipeline.queue_depth=10"): None,
+        ("pipeline.drafters=2", "pipeline.state_copy_every=0", "pipeline.queue_depth=4"): None,
     }
     for overrides, key in cases.items():
         if key is None or overrides == ("data.max_seq_len=300",):

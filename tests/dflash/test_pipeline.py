@@ -14,6 +14,8 @@ from pathlib import Path
 
 from jobs import finish_all, start_job
 
+from dflash.pipeline.state_copy import copy_dir
+from dflash.pipeline.transport import name_for_run
 from dflash.rundir import RunDir
 
 COMMON = [
@@ -242,10 +244,12 @@ def test_sigterm_stops_gracefully_with_checkpoint(repo, tmp_path):
         repo, tmp_path, run_dir, "--set", "train.total_steps=100000", "--set", "train.checkpoint_every=100000"
     )
     run = RunDir(run_dir)
-    _wait_for(lambda: len(run.read_metrics()) >= 2, 240, proc)
+    copies = copy_dir(f"{name_for_run(run_dir)}-n0")
+    _wait_for(lambda: len(run.read_metrics()) >= 2 and (copies / "tensors").exists(), 240, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
+    assert not copies.exists(), "the drafter state copies outlived a graceful stop"
     stopped = run.read_events("stopped")[-1]
     assert stopped["reason"] == "signal SIGTERM"
     done = run.read_events("drafters_done")[-1]
@@ -295,6 +299,7 @@ def test_target_death_stops_job_cleanly(repo, tmp_path):
     assert stopped["reason"].startswith("target-0 died")
     assert run.read_events("worker_died")[0]["worker"] == "target-0"
     assert run.read_events("checkpoint"), "the drafters saved a final checkpoint"
+    assert not copy_dir(f"{name_for_run(run_dir)}-n0").exists(), "state copies outlived a failed job"
 
 
 def test_missing_host_fails_with_a_clear_reason(repo, tmp_path):
@@ -370,6 +375,13 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
     assert json.loads(run.heartbeat_path("drafter", 0).read_text())["state"] == "stopped"
     assert run.read_events("drafters_done")[-1]["stopped_by_signal"]
     assert run.read_events("checkpoint"), "the orphaned drafters saved a checkpoint on their way out"
+    # No clean-up ran: the drafter state copies are left in /dev/shm, and the next job's start
+    # (dflash.launch.state_copies) sweeps them, their supervisor being gone.
+    from dflash.pipeline.state_copy import remove_stale_copies
+
+    copies = copy_dir(f"{name_for_run(run_dir)}-n0")
+    assert copies.exists()
+    assert copies in remove_stale_copies() and not copies.exists()
 
 
 def test_launch_arguments_are_checked_before_anything_starts(repo, capsys):
