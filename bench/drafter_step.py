@@ -14,6 +14,9 @@ H200 (hidden 4096, 32/8 heads, head dim 128, intermediate 12288, vocab 151936; t
     python bench/drafter_step.py --set train.fused_loss=false ...      # the step before the fused loss
 CPU smoke run at a tiny size (sdpa only: flex has no backward on CPU):
     python bench/drafter_step.py --tiny --profile --out /tmp/drafter_step.json
+The cost of the drafter state copies (pipeline.state_copy_every, dflash.pipeline.state_copy): the
+same steps timed again with the job's copier attached, in the same process:
+    python bench/drafter_step.py --backends flex --state-copy-every 1 --out $OUT/state_copy.json
 
 FLOPs (stated once, counted per step, for the anchors the step really sampled): the model's, what
 its forward and backward need, whatever the code does:
@@ -300,6 +303,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "params_trainable": sum(p.numel() for p in trainer.params),
     }
+    if args.state_copy_every:
+        res["state_copy"] = time_state_copies(args, trainer, steps, cuda, dt)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -332,6 +337,64 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     return res
 
 
+def time_state_copies(
+    args: argparse.Namespace, trainer: Any, steps: Any, cuda: bool, plain_s: float
+) -> dict[str, Any]:
+    """The same steps again with the job's state copier attached (dflash.pipeline.state_copy, as a
+    drafter worker attaches it with pipeline.state_copy_every = N): its cost against the step just
+    timed without it, in the same process on the same compiled graphs. The copies go to a scratch
+    directory under --state-copy-dir (/dev/shm, where the job keeps them), removed after."""
+    import shutil
+
+    import torch
+
+    from dflash.pipeline.state_copy import StateCopier
+
+    root = Path(tempfile.mkdtemp(prefix="dflash-bench-state-", dir=args.state_copy_dir))
+    copier = StateCopier(trainer, root, rank=0, writes_tensors=True, every=args.state_copy_every)
+    trainer.state_copy = copier
+    try:
+        for _ in range(
+            args.state_copy_every + 1
+        ):  # the first due step makes the file (pinned in the background)
+            steps(1)
+            if copier.file is not None:
+                break
+        t0 = time.perf_counter()
+        if not copier.wait_ready(timeout=600):
+            raise SystemExit("the state copy's file was not ready (page-locking) within 600 s")
+        ready_s = time.perf_counter() - t0
+        steps(max(1, args.warmup))
+        copies0 = copier.copies
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        steps(args.steps)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        host_s = time.perf_counter() - t0
+        dt = (start.elapsed_time(end) / 1000 if cuda else host_s) / args.steps
+        copies = copier.copies - copies0
+        copier.close()
+        return {
+            "every": args.state_copy_every,
+            "step_ms": dt * 1000,
+            "plain_step_ms": plain_s * 1000,
+            "cost": dt / plain_s - 1,
+            "copies_in_window": copies,
+            "copy_gb": copier.file_bytes / 1e9,
+            "pinned": copier.pinned,
+            "host_ms_per_copy": copier.host_seconds / max(copier.copies, 1) * 1000,
+            "file_ready_s": ready_s,
+            "committed": copier.committed(),
+        }
+    finally:
+        trainer.state_copy = None
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def bench_in_own_process(backend: str) -> dict[str, Any]:
     """This bench for one backend, in a new process with this command's other options."""
     argv, skip = [], False
@@ -357,7 +420,7 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="train.loss_chunk_tokens")
     ap.add_argument("--sdpa-chunk-blocks", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (--tiny: 2 unless set)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="profile and split the step's device time")
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -366,6 +429,14 @@ def main() -> None:
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on CPU (smoke run)")
+    ap.add_argument(
+        "--state-copy-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the steps with the job's state copier (pipeline.state_copy_every = N) attached",
+    )
+    ap.add_argument("--state-copy-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument(
         "--in-process",
         action="store_true",
@@ -381,7 +452,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke run")
     if args.tiny:
         args.batch, args.seq_len, args.anchors, args.loss_chunk = 2, 96, 8, 24
-        args.steps, args.warmup, args.profile_steps = min(args.steps, 2), 1, 1
+        args.steps, args.warmup, args.profile_steps = min(args.steps, 2 if args.steps == 10 else 200), 1, 1
     backends = [b for b in args.backends.split(",") if b]
     if args.tiny and "flex" in backends:
         print("flex skipped: no flex backward on CPU")
@@ -412,6 +483,15 @@ def main() -> None:
             f"{backend}: {r['step_ms']:.1f} ms/step, {r['seq_tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}",
             flush=True,
         )
+        c = r.get("state_copy")
+        if c:
+            print(
+                f"{backend} with a state copy every {c['every']} step(s): {c['step_ms']:.1f} ms/step "
+                f"({c['cost']:+.2%} against {c['plain_step_ms']:.1f}), {c['copy_gb']:.2f} GB file, "
+                f"pinned {c['pinned']}, host {c['host_ms_per_copy']:.2f} ms/copy, "
+                f"{c['copies_in_window']} copies timed",
+                flush=True,
+            )
     f = results[0]["flops_per_step"] if results else None
     if f:
         print(

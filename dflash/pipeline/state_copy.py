@@ -7,7 +7,7 @@ memory, which outlives the processes:
 
     /dev/shm/dflash-state-<run>-<digest>-n<node>/
         tensors              the state's tensors: a header, then two slots, written in turn
-        rank<r>-step<S>.pt   each rank's small state at step S (scheduler, step, RNG, optimizer groups)
+        rank<r>-step<S>.pt   each rank's small state (a pickle) at step S (scheduler, step, RNG, optimizer groups)
 
 What one copy holds: the drafter's trainable weights as a checkpoint holds them (the float32
 masters of bf16 weights), every optimizer state tensor (both AdamW moments and the step counts),
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pickle
 import queue
 import re
 import shutil
@@ -169,7 +170,14 @@ def small_state(trainer: Any) -> dict[str, Any]:
     """Everything else a rank needs to go on where the copy was taken (all host-side, nothing waits)."""
     from dflash.checkpoint import rng_state
 
-    groups = trainer.optimizer.state_dict()["param_groups"]
+    # optimizer.state_dict()'s param_groups (parameters numbered in order), without its state dict
+    groups, index = [], 0
+    for group in trainer.optimizer.param_groups:
+        n = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))}
+        )
+        index += n
     rng = rng_state()
     device = trainer.device
     if device.type == "cuda":
@@ -450,6 +458,8 @@ class StateCopier:
         self._thread.start()
         self._host_file: TensorFile | None = None
         """A reader's view of the host's tensors (ranks that do not write them)."""
+        self._srcs: list[torch.Tensor] = []
+        self._dsts: list[list[torch.Tensor]] = [[], []]
         self.copies = 0
         self.host_seconds = 0.0
         """Host time the copies took from the training loop (launching the device copies)."""
@@ -470,6 +480,19 @@ class StateCopier:
         host = [s for s in self._host_file.complete_steps() if s <= mine]
         return max(host, default=-1)
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Until the tensors file is made and page-locked (copies start then); False on timeout."""
+        return self._ready.wait(timeout)
+
+    @property
+    def pinned(self) -> bool:
+        return self.file is not None and self.file.pinned
+
+    @property
+    def file_bytes(self) -> int:
+        f = self.file
+        return 0 if f is None else f.header + 2 * f.slot_bytes
+
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
@@ -485,27 +508,30 @@ class StateCopier:
         done: Any = None
         slot = (step // self.every) % 2
         if self.writes_tensors:
-            live = state_tensors(self.trainer)
             if self.file is None:
+                live = state_tensors(self.trainer)
                 self.file = self._open_file(live)
+                # The live tensors stay the same objects from here on (the optimizer updates its
+                # state in place; a resume loads before the copier exists): paired with each slot's
+                # views once, then one foreach copy per copy.
+                views = [self.file.views(i) for i in (0, 1)]
+                self._srcs = list(live.values())
+                self._dsts = [[views[i][name] for name in live] for i in (0, 1)]
             if not self._ready.is_set():
                 return
             # the slot's previous copy (two copies back) is complete before the slot is reused
             self._slot_free[slot].wait()
             self._slot_free[slot].clear()
             self.file.set_begin(slot, step)
-            views = self.file.views(slot)
             if self._stream is not None:
                 stream = self._stream
                 stream.wait_stream(torch.cuda.current_stream(self.trainer.device))
                 with torch.cuda.stream(stream):
-                    for name, t in live.items():
-                        views[name].copy_(t.reshape(views[name].shape), non_blocking=True)
+                    torch._foreach_copy_(self._dsts[slot], self._srcs, non_blocking=True)
                 done = stream.record_event()
                 self._read_done = done
             else:
-                for name, t in live.items():
-                    views[name].copy_(t.reshape(views[name].shape))
+                torch._foreach_copy_(self._dsts[slot], self._srcs)
         self._jobs.put((step, slot, done, small_state(self.trainer)))
         self.copies += 1
         self.host_seconds += time.perf_counter() - t0
@@ -557,7 +583,8 @@ class StateCopier:
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"rank{self.rank}-step{step}.pt"
         tmp = self.dir / f".rank{self.rank}-step{step}.tmp-{os.getpid()}"
-        torch.save(small, tmp)
+        # pickle, not torch.save: a fifth of the time (its zip container), on a thread beside the step
+        tmp.write_bytes(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL))
         os.replace(tmp, final)
         for _, path in sorted(_small_files(self.dir, self.rank).items())[:-3]:
             path.unlink(missing_ok=True)
@@ -630,7 +657,7 @@ def load_copy(trainer: Any, directory: Path, rank: int, step: int) -> bool:
         path = _small_files(directory, rank).get(step)
         if slot is None or path is None:
             return False
-        small = torch.load(path, map_location="cpu", weights_only=False)
+        small = pickle.loads(path.read_bytes())  # this job's own file, in a 0700 directory
         views = f.views(slot)
         # Into the trainer by copy: on the CPU the optimizer would otherwise keep views of the file.
         tensors = {k: v.to(trainer.device, copy=True) for k, v in views.items()}

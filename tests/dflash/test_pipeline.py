@@ -66,6 +66,8 @@ def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
         f"train.total_steps={total}",
         "--set",
         "train.checkpoint_every=8",
+        "--set",
+        "pipeline.state_copy_every=0",  # the checkpoint path (the copies': test_state_copy_job.py)
         env={"DFLASH_LOG_BATCHES": "1"},
     )
     run = RunDir(run_dir)

@@ -1,6 +1,6 @@
 """A drafter death resumes from the drafter group's state copy in host shared memory (issue 44), on
-the CPU with the real job: no checkpoint until the end, a copy every k steps, a drafter SIGKILLed
-after step N; the new generation resumes at a step >= N - k from the copy, no batch is lost, none
+the CPU with the real job: no checkpoint until the end, a copy every k steps, the rank that writes
+the copies (rank 0 of a two-rank DDP group) SIGKILLed after step N; the new generation resumes at a step >= N - k from the copy, no batch is lost, none
 is trained twice beyond the copies' interval, and the copies are gone once the job ends."""
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def test_a_killed_drafter_resumes_from_the_state_copy(repo, tmp_path):
         "--set",
         f"pipeline.state_copy_every={every}",
         "--set",
-        f"pipeline.queue_depth={every + 3}",
+        "pipeline.drafters=2",  # a DDP group: each rank restores its own small state, rank 0 the tensors
+        "--set",
+        f"pipeline.queue_depth={2 * (every + 2) + 1}",
         env={"DFLASH_LOG_BATCHES": "1"},
     )
     run = RunDir(run_dir)
