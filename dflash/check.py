@@ -295,8 +295,8 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
 def _state_copy_bytes(cfg: JobConfig, report: Report) -> int:
     """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
     the launcher sizes them: the drafter built on the meta device from the target's config.json."""
-    if not cfg.pipeline.state_copy_every:
-        return 0
+    if not cfg.pipeline.state_copy_every or report.errors:
+        return 0  # with errors the check fails anyway: no drafter build (and its imports) for nothing
     from dflash.pipeline.state_copy import copies_nbytes
     from dflash.spec import resolve_spec
 
