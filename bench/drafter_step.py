@@ -223,6 +223,24 @@ def build_trainer(args: argparse.Namespace, backend: str) -> tuple[Any, Any, dic
     return trainer, cfg, batch
 
 
+def timed_steps(steps: Any, n: int, cuda: bool) -> tuple[float, list[Any]]:
+    """Seconds per step over `n` pushes in the steady state, and the results they read back. On the
+    GPU two CUDA events on the step's stream: one behind the step queued before the window, one
+    behind the n-th timed step's work; on the CPU the host clock."""
+    import torch
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # behind the queued warm-up step
+    t0 = time.perf_counter()
+    results = steps(n)  # each push reads back the step queued before it
+    if cuda:
+        end.record()  # behind the last timed step
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000 / n, results
+    return (time.perf_counter() - t0) / n, results
+
+
 def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     import torch
 
@@ -251,17 +269,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     anchor_state = trainer.anchor_gen.get_state()  # the next step's anchors: the FLOP count, after
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()  # behind the queued warm-up step
-    t0 = time.perf_counter()
-    results = steps(args.steps)  # each push reads back the step queued before it
-    if cuda:
-        end.record()  # behind the last timed step
-    host_s = time.perf_counter() - t0
+    dt, results = timed_steps(steps, args.steps, cuda)
     results += [r for r, _ in ahead.flush()]
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (start.elapsed_time(end) / 1000 if cuda else host_s) / args.steps
     # The anchors of the first timed step (the same generator state), for the FLOP count; counted
     # here, after the window: it copies them to the host, which would wait for the queued step.
     gen = torch.Generator().manual_seed(0)
@@ -346,17 +355,14 @@ def time_state_copies(
     directory under --state-copy-dir (/dev/shm, where the job keeps them), removed after."""
     import shutil
 
-    import torch
-
     from dflash.pipeline.state_copy import StateCopier
 
     root = Path(tempfile.mkdtemp(prefix="dflash-bench-state-", dir=args.state_copy_dir))
     copier = StateCopier(trainer, root, rank=0, writes_tensors=True, every=args.state_copy_every)
     trainer.state_copy = copier
     try:
-        for _ in range(
-            args.state_copy_every + 1
-        ):  # the first due step makes the file (pinned in the background)
+        # the first due step makes the file (page-locked in the background)
+        for _ in range(args.state_copy_every + 1):
             steps(1)
             if copier.file is not None:
                 break
@@ -366,16 +372,7 @@ def time_state_copies(
         ready_s = time.perf_counter() - t0
         steps(max(1, args.warmup))
         copies0 = copier.copies
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        steps(args.steps)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-        host_s = time.perf_counter() - t0
-        dt = (start.elapsed_time(end) / 1000 if cuda else host_s) / args.steps
+        dt, _ = timed_steps(steps, args.steps, cuda)
         copies = copier.copies - copies0
         copier.close()
         return {

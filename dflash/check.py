@@ -120,7 +120,7 @@ def check(
     sizes = _target_sizes(cfg, report)
     if sizes is not None:
         queue = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
-        copies = _state_copy_bytes(cfg, report)
+        copies = _state_copy_bytes(cfg, sizes, report)
         report.shm_bytes = None if queue is None else queue + copies
     if device is not None:
         _check_fused_qk_norm_rope(cfg, device, sizes, report)
@@ -205,6 +205,8 @@ class TargetSizes(NamedTuple):
     hidden: int
     heads: int | None = None
     head_dim: int | None = None
+    config: dict[str, Any] | None = None
+    """The language model's part of config.json (None for the tiny demo target)."""
 
 
 def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
@@ -240,7 +242,7 @@ def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
         except (KeyError, TypeError, ValueError):
             return None
 
-    return TargetSizes(layers, hidden, optional("num_attention_heads"), optional("head_dim"))
+    return TargetSizes(layers, hidden, optional("num_attention_heads"), optional("head_dim"), sizes)
 
 
 def _check_fused_qk_norm_rope(
@@ -292,7 +294,7 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
     return need
 
 
-def _state_copy_bytes(cfg: JobConfig, report: Report) -> int:
+def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int:
     """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
     the launcher sizes them: the drafter built on the meta device from the target's config.json."""
     if not cfg.pipeline.state_copy_every or report.errors:
@@ -301,32 +303,26 @@ def _state_copy_bytes(cfg: JobConfig, report: Report) -> int:
     from dflash.spec import resolve_spec
 
     try:
-        if cfg.target.path == "tiny":
+        if sizes.config is None:  # the tiny demo target
             from dflash.demo import tiny_config
 
-            target = tiny_config(cfg.target.tiny_layers, cfg.target.tiny_hidden)
+            target = tiny_config(sizes.layers, sizes.hidden)
         else:
             from transformers import Qwen3Config
 
-            from dflash.target import check_model_dir
-
-            text = json.loads((check_model_dir(cfg.target.path) / "config.json").read_text())
-            if "num_hidden_layers" not in text:  # multimodal checkpoints keep the language model's here
-                text = text.get("text_config") or {}
-            text = {k: v for k, v in text.items() if k != "model_type"}
+            text = {k: v for k, v in sizes.config.items() if k != "model_type"}
             if "num_attention_heads" in text:  # as transformers reads a config.json without it
                 text.setdefault("num_key_value_heads", text["num_attention_heads"])
             target = Qwen3Config(**text)
         # The mask token does not change the trainable sizes (the embedding and head are frozen).
         spec = resolve_spec(cfg.drafter, target, 0)
-    except (ConfigError, DFlashError, OSError, ValueError, TypeError) as e:
+    except (ConfigError, DFlashError, ValueError, TypeError) as e:
         # What stops the drafter's sizes is reported by the checks it belongs to; alone, a warning.
-        if not report.errors:
-            report.warn(
-                "pipeline.state_copy_every",
-                f"the drafter state copies cannot be sized from the target's config.json ({e}): "
-                "shm_bytes counts the hidden-state queue only",
-            )
+        report.warn(
+            "pipeline.state_copy_every",
+            f"the drafter state copies cannot be sized from the target's config.json ({e}): "
+            "shm_bytes counts the hidden-state queue only",
+        )
         return 0
     return copies_nbytes(spec)
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from dflash.errors import ConfigError
+from dflash.rundir import atomic_write_bytes, supervisor_alive
 
 MAGIC = b"DFLSTATE"
 VERSION = 1
@@ -67,6 +68,11 @@ def copy_dir(queue_name: str) -> Path:
     from dflash.pipeline.transport import segment_path
 
     return segment_path(f"{queue_name}-state")
+
+
+def _shm_root() -> Path:
+    """Where every host's copy directories live (the hidden-state queues' filesystem)."""
+    return copy_dir("x").parent
 
 
 OWNER = "owner"
@@ -107,8 +113,6 @@ def _stale(d: Path) -> bool:
             return False
     except (OSError, ValueError):
         return True  # not one of ours as written: unreadable or garbled
-    from dflash.rundir import supervisor_alive
-
     if boot != _boot_id():
         return True
     if ns != _pid_namespace():
@@ -123,9 +127,7 @@ def prepare_copies(queue_name: str, owner: str) -> Path:
     d = copy_dir(queue_name)
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(mode=0o700)
-    tmp = d / f".{OWNER}.tmp-{os.getpid()}"
-    tmp.write_text(owner_line(owner))
-    os.replace(tmp, d / OWNER)
+    atomic_write_bytes(d / OWNER, owner_line(owner).encode(), durable=False)
     return d
 
 
@@ -139,7 +141,7 @@ def remove_stale_copies(root: Path | None = None) -> list[Path]:
     persistent /dev/shm): removed, and returned. Any job's start sweeps them: a crashed job's copies
     are GBs of shared memory that nothing else would free. A live job's copies, and those of another
     pid namespace (which this process cannot judge), are kept."""
-    root = root or copy_dir("x").parent
+    root = root or _shm_root()
     gone = []
     for d in sorted(root.glob("dflash-*-state")):
         if d.is_dir() and _stale(d):
@@ -236,6 +238,10 @@ def copies_nbytes(spec: Any) -> int:
     return HEADER_BYTES + 2 * copy_nbytes(spec)
 
 
+def _header_bytes(layout_len: int) -> int:
+    return max(HEADER_BYTES, _aligned(_LAYOUT_AT + layout_len))
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -270,7 +276,7 @@ def host_memory_problem(
 
 def host_room() -> tuple[int, int | None]:
     """(free bytes of the filesystem the copies live on, MemAvailable or None)."""
-    st = os.statvfs(copy_dir("x").parent)
+    st = os.statvfs(_shm_root())
     available = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -316,7 +322,7 @@ class TensorFile:
     def create(cls, path: Path, tensors: dict[str, torch.Tensor]) -> TensorFile:
         entries, slot_bytes = _layout(tensors)
         layout = json.dumps([[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]).encode()
-        header = max(HEADER_BYTES, _aligned(_LAYOUT_AT + len(layout)))
+        header = _header_bytes(len(layout))
         size = header + 2 * slot_bytes
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -360,7 +366,7 @@ class TensorFile:
             mm.close()
             return None
         slot_bytes = max((e.offset + _aligned(max(e.nbytes, 1)) for e in entries), default=0)
-        header = max(HEADER_BYTES, _aligned(_LAYOUT_AT + n))
+        header = _header_bytes(n)
         if header + 2 * slot_bytes != size:
             mm.close()
             return None
@@ -460,6 +466,9 @@ class StateCopier:
         """A reader's view of the host's tensors (ranks that do not write them)."""
         self._srcs: list[torch.Tensor] = []
         self._dsts: list[list[torch.Tensor]] = [[], []]
+        self._written = [path for _, path in sorted(_small_files(directory, rank).items())]
+        """This rank's small-state files, oldest first (a resumed generation's included), pruned to
+        the newest three as new ones are written: no directory listing per copy."""
         self.copies = 0
         self.host_seconds = 0.0
         """Host time the copies took from the training loop (launching the device copies)."""
@@ -580,14 +589,13 @@ class StateCopier:
                 return
 
     def _write_small(self, step: int, small: dict[str, Any]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"rank{self.rank}-step{step}.pt"
-        tmp = self.dir / f".rank{self.rank}-step{step}.tmp-{os.getpid()}"
-        # pickle, not torch.save: a fifth of the time (its zip container), on a thread beside the step
-        tmp.write_bytes(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(tmp, final)
-        for _, path in sorted(_small_files(self.dir, self.rank).items())[:-3]:
-            path.unlink(missing_ok=True)
+        # pickle, not torch.save: a fifth of the time (its zip container), on a thread beside the step;
+        # no fsync: shared memory does not outlive the host
+        atomic_write_bytes(final, pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL), durable=False)
+        self._written.append(final)
+        while len(self._written) > 3:  # the two slots' steps and one in flight
+            self._written.pop(0).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Finish the queued commits and stop the thread."""
