@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shared_inputs import seed_runs_root
@@ -14,6 +16,34 @@ from dflash.launch import kill_process_tree
 STARTED: list[subprocess.Popen[str]] = []
 """Every job a test started; conftest kills what is left of them after each test, so a failed test
 cannot leave a training job loading the 2 CI cores for the rest of the run."""
+
+
+PIPELINE_SETS = [
+    "--set",
+    "attention.compile=false",
+    "--set",
+    "run.status_interval_s=1",
+    "--set",
+    "pipeline.prefetch_depth=4",
+    "--set",
+    "train.warmup_steps=2",
+]
+"""The pipeline job tests' overrides of the demo config: eager attention (no compile on CI's two
+cores), a status line every second, a short warm-up."""
+
+
+def wait_for(
+    pred: Callable[[], bool], timeout: float, proc: subprocess.Popen[str], poll: float = 0.2
+) -> None:
+    """Until pred() holds; fails with the job's output if the job exits first, or on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"launcher exited early:\n{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(poll)
+    raise AssertionError("timed out")
 
 
 def kill_tree(proc: subprocess.Popen[str]) -> None:

@@ -12,24 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import finish_all, start_job
+from jobs import PIPELINE_SETS, finish_all, start_job, wait_for
 
 from dflash.pipeline.state_copy import copy_dir
 from dflash.pipeline.transport import name_for_run
 from dflash.rundir import RunDir
 
-COMMON = [
-    "--set",
-    "attention.compile=false",
-    "--set",
-    "run.status_interval_s=1",
-    "--set",
-    "pipeline.queue_depth=4",
-    "--set",
-    "pipeline.prefetch_depth=4",
-    "--set",
-    "train.warmup_steps=2",
-]
+COMMON = [*PIPELINE_SETS, "--set", "pipeline.queue_depth=4"]
 
 
 def _launch(
@@ -40,17 +29,6 @@ def _launch(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     return start_job("dflash.launch", repo, tmp, run_dir, *COMMON, *extra, env=env)
-
-
-def _wait_for(pred, timeout: float, proc: subprocess.Popen[str]) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"launcher exited early:\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    raise AssertionError("timed out")
 
 
 def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
@@ -71,7 +49,7 @@ def test_drafter_sigkill_restarts_group_targets_survive(repo, tmp_path):
         env={"DFLASH_LOG_BATCHES": "1"},
     )
     run = RunDir(run_dir)
-    _wait_for(lambda: (run.checkpoints / "step-16").exists(), 240, proc)
+    wait_for(lambda: (run.checkpoints / "step-16").exists(), 240, proc)
     target_pid = run.read_events("launched")[0]["targets"]["target-0"]
     victim = json.loads(run.heartbeat_path("drafter", 1).read_text())["pid"]
     killed_at = time.time()
@@ -247,7 +225,7 @@ def test_sigterm_stops_gracefully_with_checkpoint(repo, tmp_path):
     )
     run = RunDir(run_dir)
     copies = copy_dir(f"{name_for_run(run_dir)}-n0")
-    _wait_for(lambda: len(run.read_metrics()) >= 2 and (copies / "tensors").exists(), 240, proc)
+    wait_for(lambda: len(run.read_metrics()) >= 2 and (copies / "tensors").exists(), 240, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
@@ -269,11 +247,11 @@ def test_a_restarted_targets_timeline_runs_from_its_death(repo, tmp_path):
         repo, tmp_path, run_dir, "--set", "pipeline.restart_targets=true", "--set", "train.total_steps=100000"
     )
     run = RunDir(run_dir)
-    _wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
+    wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
     killed_at = time.time()
     os.kill(run.read_events("launched")[0]["targets"]["target-0"], signal.SIGKILL)
     target_starts = lambda: [e for e in run.read_events("generation_start") if e["role"] == "target"]  # noqa: E731
-    _wait_for(lambda: len(target_starts()) == 2, 120, proc)
+    wait_for(lambda: len(target_starts()) == 2, 120, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
@@ -293,7 +271,7 @@ def test_target_death_stops_job_cleanly(repo, tmp_path):
         repo, tmp_path, run_dir, "--set", "train.total_steps=100000", "--set", "train.checkpoint_every=100000"
     )
     run = RunDir(run_dir)
-    _wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
+    wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
     os.kill(run.read_events("launched")[0]["targets"]["target-0"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1, out
@@ -341,7 +319,7 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
     args = ["--set", "train.total_steps=100000", "--set", "train.checkpoint_every=100000"]
     proc = _launch(repo, tmp_path, run_dir, *args)
     run = RunDir(run_dir)
-    _wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
+    wait_for(lambda: len(run.read_metrics()) >= 1, 240, proc)
 
     second = _launch(repo, tmp_path, run_dir, *args)
     out, _ = second.communicate(timeout=120)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from qwen3_sizes import QWEN3_8B
 from test_trainer_step import CPU_SETS, _batches, _trainer
 
 from dflash.errors import ConfigError
@@ -116,15 +117,7 @@ def test_host_memory_refusal_names_the_setting(repo):
     from transformers import Qwen3Config
 
     cfg = load_config(repo / "configs" / "qwen3-8b.toml", [])
-    target = Qwen3Config(
-        hidden_size=4096,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=12288,
-        vocab_size=151936,
-    )
+    target = Qwen3Config(**QWEN3_8B)
     spec = resolve_spec(cfg.drafter, target, 151669)
     n = sc.copy_nbytes(spec)
     assert 12 * 0.9e9 < n < 12 * 1.3e9, n  # about 1B trainable parameters (issue 43: 1.09B)

@@ -1,32 +1,20 @@
 """A drafter death resumes from the drafter group's state copy in host shared memory (issue 44), on
 the CPU with the real job: no checkpoint until the end, a copy every k steps, the rank that writes
-the copies (rank 0 of a two-rank DDP group) SIGKILLed after step N; the new generation resumes at a step >= N - k from the copy, no batch is lost, none
-is trained twice beyond the copies' interval, and the copies are gone once the job ends."""
+the copies (rank 0 of a two-rank DDP group) SIGKILLed after step N; the new generation resumes at
+a step >= N - k from the copy, no batch is lost, none is trained twice beyond the copies' interval,
+and the copies are gone once the job ends."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import time
 
-from jobs import start_job
+from jobs import PIPELINE_SETS, start_job, wait_for
 
 from dflash.pipeline.state_copy import copy_dir
 from dflash.pipeline.transport import name_for_run
 from dflash.rundir import RunDir
-
-COMMON = [
-    "--set",
-    "attention.compile=false",
-    "--set",
-    "run.status_interval_s=1",
-    "--set",
-    "pipeline.prefetch_depth=4",
-    "--set",
-    "train.warmup_steps=2",
-]
 
 
 def _last_step(run: RunDir) -> int:
@@ -36,17 +24,6 @@ def _last_step(run: RunDir) -> int:
         return 0
 
 
-def _wait_for(pred, timeout: float, proc: subprocess.Popen[str]) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"launcher exited early:\n{proc.stdout.read()}")
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def test_a_killed_drafter_resumes_from_the_state_copy(repo, tmp_path):
     run_dir, total, every, kill_after = tmp_path / "run", 30, 3, 14
     proc = start_job(
@@ -54,7 +31,7 @@ def test_a_killed_drafter_resumes_from_the_state_copy(repo, tmp_path):
         repo,
         tmp_path,
         run_dir,
-        *COMMON,
+        *PIPELINE_SETS,
         "--set",
         f"train.total_steps={total}",
         "--set",
@@ -69,7 +46,7 @@ def test_a_killed_drafter_resumes_from_the_state_copy(repo, tmp_path):
     )
     run = RunDir(run_dir)
     copies = copy_dir(f"{name_for_run(run_dir)}-n0")
-    _wait_for(lambda: _last_step(run) >= kill_after, 240, proc)
+    wait_for(lambda: _last_step(run) >= kill_after, 240, proc, poll=0.05)
     died = _last_step(run)
     assert (copies / "owner").exists(), "the supervisor made no copy directory"
     victim = json.loads(run.heartbeat_path("drafter", 0).read_text())["pid"]

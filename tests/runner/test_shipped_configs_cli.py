@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from qwen3_sizes import QWEN3_8B
 from run_cli import REPO, Cli, refused
 
 from runner.envs import tomllib
@@ -29,19 +30,6 @@ from runner.envs import tomllib
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 DEVICE_LISTS = ("pipeline.target_devices", "pipeline.drafter_devices")
 RUN_ID = r"-\d{8}-\d{6}-[0-9a-f]{4}"
-QWEN3_8B = {
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "layer_types": ["full_attention"] * 36,
-    "max_window_layers": 36,
-}
-"""Qwen3-8B's sizes (its config.json): every shipped drafter.mask_token_id is a row of its vocabulary,
-and its head dim is one the job's CUDA kernels take."""
 
 
 def test_configs_are_found() -> None:
