@@ -381,6 +381,10 @@ class TrainConfig:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 
 
+SPARE_MODES = ("auto", "graphs", "host", "off")
+"""pipeline.spare_drafters' values."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     SECTION: ClassVar[str] = "pipeline"
@@ -417,9 +421,22 @@ class PipelineConfig:
     trainable parameter each); the copy overlaps the next step. 0 = off. A batch is acked once a
     copy holds its step, so each drafter holds up to state_copy_every + 1 batches of the queue (and
     one more for the moment the newest copy takes), which pipeline.queue_depth must leave room for."""
+    spare_drafters: str = "auto"
+    """A spare drafter process per local drafter rank, started ahead (dflash.pipeline.spare), that
+    takes over when the group restarts, so a new generation skips the imports, CUDA start, frozen
+    head load and model build: host (those made on the host, about 4 bytes per trainable parameter
+    plus the frozen embedding and head; on the GPU a CUDA context), graphs (also its compiled graphs
+    loaded by one warm-up step per planned shape on its device: a second step's peak memory there,
+    and a one-rank group only), auto (graphs where that fits, else host), off."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if str(self.spare_drafters).lower() not in SPARE_MODES:
+            raise ConfigError(
+                "pipeline.spare_drafters",
+                f"must be one of {', '.join(SPARE_MODES)}, got {_show(self.spare_drafters)}",
+            )
+        self.spare_drafters = str(self.spare_drafters).lower()
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from dflash.config import JobConfig, add_config_args, load_config, set_args
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, STOP_FILE_ENV, worker_devices
+from dflash.pipeline.drafter_entry import SPARE_DIR_ENV, socket_dir
 from dflash.pipeline.timeline import DETECTED_AT_ENV, GENERATION_ENV, LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from dflash.rundir import (
     SUPERVISOR_ENV,
@@ -200,6 +202,14 @@ class Supervisor:
     stopped_workers: set[int] = field(default_factory=set)
     """Drafter worker pids told to stop (stop_drafters)."""
     torchrun_signalled: bool = False
+    spare_plan: Any = None
+    """dflash.placement.SparePlan: the spare drafters' mode on this host (None: off)."""
+    spares: dict[int, Proc] = field(default_factory=dict)
+    """local rank -> its spare drafter process, ready or getting ready (dflash.pipeline.spare)."""
+    taken: list[Proc] = field(default_factory=list)
+    """Spares that took a rank over: drafter workers now, ended with the drafter group."""
+    spare_starts: int = 0
+    queue_name: str = ""
     targets_released: bool = False
     """The drafters trained every step (event drafters_done): the targets were told to stop while
     the drafter processes and torchrun exit, instead of after them; their exits are no deaths."""
@@ -214,7 +224,7 @@ class Supervisor:
             self.stopping = f"signal {signal.Signals(signum).name}"
             self.stop_drafters()
         else:
-            for p in [*self.targets, *([self.drafters] if self.drafters else [])]:
+            for p in self.all_procs():
                 p.kill_tree(wait=False)
 
     def start(self, queue_name: str) -> None:
@@ -245,6 +255,15 @@ class Supervisor:
             )
             proc.start()
             self.targets.append(proc)
+        self.queue_name = queue_name
+        spare_env: dict[str, str] = {}
+        if self.spare_mode != "off":
+            spare_env[SPARE_DIR_ENV] = str(self.spare_dir)
+            self.spare_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.spare_dir.glob("*.sock"):
+                stale.unlink(missing_ok=True)
+            for local_rank in range(self.cfg.pipeline.drafters):
+                self.start_spare(local_rank)
         torchrun = [
             sys.executable,
             "-m",
@@ -261,7 +280,7 @@ class Supervisor:
             f"read_timeout={self.cfg.pipeline.rdzv_timeout_s}",
             "--monitor-interval=0.5",
             "-m",
-            "dflash.pipeline.drafter_worker",
+            "dflash.pipeline.drafter_entry",
             *self.worker_args(),
             "--queue",
             queue_name,
@@ -278,6 +297,7 @@ class Supervisor:
                 DATA_SUMMARY_ENV: json.dumps(self.data),
                 LAUNCHED_AT_ENV: repr(time.time()),
                 STOP_FILE_ENV: str(self.stop_file),
+                **spare_env,
             }
         )
         self.run.event(
@@ -294,6 +314,83 @@ class Supervisor:
     @property
     def stop_file(self) -> Path:
         return self.run.root / STOP_FILE
+
+    @property
+    def spare_mode(self) -> str:
+        return self.spare_plan.mode if self.spare_plan is not None else "off"
+
+    @property
+    def spare_dir(self) -> Path:
+        return socket_dir(self.queue_name)
+
+    def start_spare(self, local_rank: int) -> None:
+        """A spare drafter for local_rank (dflash.pipeline.spare), getting ready beside the job."""
+        from dflash.resolve import worker_threads
+
+        proc = Proc(
+            f"spare-{local_rank}",
+            [
+                sys.executable,
+                "-m",
+                "dflash.pipeline.spare",
+                *self.worker_args(),
+                "--queue",
+                self.queue_name,
+                "--local-rank",
+                str(local_rank),
+                "--mode",
+                self.spare_mode,
+                "--socket-dir",
+                str(self.spare_dir),
+            ],
+            self.run.log_path("spare", local_rank),
+        )
+        proc.start(env={"OMP_NUM_THREADS": str(worker_threads("drafter"))})
+        self.spare_starts += 1
+        self.spares[local_rank] = proc
+        self.run.event(
+            "spare_started", worker=proc.name, local_rank=local_rank, mode=self.spare_mode, pid=proc.popen.pid
+        )
+
+    def tend_spares(self, takeovers: list[int]) -> None:
+        """A spare that took a rank over becomes a drafter worker (ended with the group) and a new one
+        gets ready for the next generation; a spare that died before any takeover is started again,
+        at most pipeline.max_restarts + drafters times in all (then new generations start cold)."""
+        if self.stopping or self.targets_released:
+            return
+        for pid in takeovers:
+            for local_rank, proc in list(self.spares.items()):
+                if proc.popen is not None and proc.popen.pid == pid:
+                    self.taken.append(proc)
+                    del self.spares[local_rank]
+                    self.start_spare(local_rank)
+        budget = self.cfg.pipeline.max_restarts + 2 * self.cfg.pipeline.drafters
+        for local_rank, proc in list(self.spares.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self.spares[local_rank]
+            again = self.spare_starts < budget
+            self.run.event(
+                "spare_died",
+                worker=proc.name,
+                local_rank=local_rank,
+                exit_code=code,
+                restarted=again,
+                detail="started again"
+                if again
+                else "no spare for this rank: new generations start on their own",
+            )
+            if again:
+                self.start_spare(local_rank)
+
+    def all_procs(self) -> list[Proc]:
+        return [
+            *self.targets,
+            *([self.drafters] if self.drafters else []),
+            *self.spares.values(),
+            *self.taken,
+        ]
 
     def stop_drafters(self) -> None:
         """A graceful stop of the drafter group: no more restarts (the stop file, which
@@ -334,6 +431,12 @@ class Supervisor:
         """This launch's new events: early drafter errors (see repeated_early_failure), and the
         drafters' end of training, after which no target batch is needed (release_targets)."""
         records, self.events_offset = read_jsonl_from(self.run.events, self.events_offset)
+        takeovers = [
+            rec["pid"]
+            for rec in records
+            if rec.get("event") == "spare_takeover" and isinstance(rec.get("pid"), int)
+        ]
+        self.tend_spares(takeovers)
         for rec in records:
             if rec.get("event") == "worker_error" and rec.get("before_first_step"):
                 gen = rec.get("generation")
@@ -414,7 +517,7 @@ class Supervisor:
         return False
 
     def shutdown(self, drafter_code: int) -> dict[str, Any]:
-        for proc in self.targets:
+        for proc in [*self.targets, *self.spares.values()]:
             proc.signal(signal.SIGTERM)
         deadline = time.time() + 20
         for proc in self.targets:
@@ -632,6 +735,27 @@ def state_copies(cfg: JobConfig, spec: Any, run: RunDir, queue_name: str, queue_
     prepare_copies(queue_name, supervisor_token())
 
 
+def plan_spares(
+    cfg: JobConfig, devices: tuple[list[str], list[str]], spec: Any, elem: int, target_path: str
+) -> Any:
+    """pipeline.spare_drafters against this host's memory and GPUs (dflash.placement.spare_plan)."""
+    from dflash.compile_cache import CACHE_DIR_ENV
+    from dflash.pipeline.state_copy import host_room
+    from dflash.placement import cuda_index, host_devices, restored_memory, spare_host_bytes, spare_plan
+
+    uses_cuda = any(cuda_index(d) is not None for d in devices[1])
+    cache_dir = os.environ.get(CACHE_DIR_ENV)
+    return spare_plan(
+        cfg,
+        *devices,
+        host_bytes=spare_host_bytes(spec, elem),
+        mem_available=host_room()[1],
+        totals=host_devices()[1] if uses_cuda else {},
+        record=restored_memory(Path(cache_dir)) if cache_dir else None,
+        target_path=target_path,
+    )
+
+
 def launch(args: argparse.Namespace) -> int:
     from dflash.pipeline.state_copy import remove_copies
     from dflash.pipeline.transport import HiddenStateQueue, name_for_run, segment_bytes
@@ -670,6 +794,8 @@ def launch(args: argparse.Namespace) -> int:
         state_copies(
             cfg, spec, run, name, segment_bytes(cfg.pipeline.queue_depth, slot_bytes(cfg, features, elem))
         )
+        spares = plan_spares(cfg, devices, spec, elem, parts.target_path)
+        run.event("spare_plan", **spares.to_dict())
         queue = HiddenStateQueue.create(
             name, capacity=cfg.pipeline.queue_depth, slot_bytes=slot_bytes(cfg, features, elem)
         )
@@ -682,6 +808,7 @@ def launch(args: argparse.Namespace) -> int:
             nnodes,
             endpoint,
             data=parts.dataset.summary(),
+            spare_plan=spares,
         )
         signal.signal(signal.SIGTERM, sup.on_signal)
         signal.signal(signal.SIGINT, sup.on_signal)
@@ -710,8 +837,10 @@ def launch(args: argparse.Namespace) -> int:
         code = sup.watch()
         outcome = sup.shutdown(code)
     finally:
-        for p in [*sup.targets, *([sup.drafters] if sup.drafters else [])]:
+        for p in sup.all_procs():
             p.kill_tree()
+        if sup.queue_name:
+            shutil.rmtree(sup.spare_dir, ignore_errors=True)
         remove_copies(name)
         stats = queue.stats()
         queue.close()

@@ -266,9 +266,12 @@ class DrafterSide:
         world_size: int = 1,
         worker: str = "drafter-0",
         mark: Callable[[str], None] = lambda phase: None,
+        built: Any = None,
     ) -> None:
         """mark(phase) is called as each part of the start ends (the `generation_start` event's
-        phases: frozen_head_load, model_build)."""
+        phases: frozen_head_load, model_build). built: what a spare drafter process made ahead
+        (dflash.pipeline.spare.Built: the frozen embedding and head and the drafter, on the host or
+        already on `device`), used instead of loading and building them again."""
         from dflash.kernels import KernelGuard
         from dflash.model import resolve_spec
         from dflash.resolve import resolve_strict
@@ -277,14 +280,26 @@ class DrafterSide:
         from dflash.trainer import DrafterTrainer, StepAhead
 
         self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
-        embed, head, target_config = load_frozen_head(
-            target_path, dtype=torch_dtype(cfg.target.dtype), device=device
-        )
-        mark("frozen_head_load")
-        self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
+        if built is None:
+            embed, head, target_config = load_frozen_head(
+                target_path, dtype=torch_dtype(cfg.target.dtype), device=device
+            )
+            mark("frozen_head_load")
+            self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
+            model = None
+        else:
+            embed, head, self.spec, model = built.embed, built.head, built.spec, built.model
         self.plan = shape_plan(cfg, target_path=target_path)
         self.trainer = DrafterTrainer(
-            cfg, self.spec, embed, head, device, rank=rank, world_size=world_size, plan=self.plan
+            cfg,
+            self.spec,
+            embed,
+            head,
+            device,
+            rank=rank,
+            world_size=world_size,
+            plan=self.plan,
+            model=model,
         )
         mark("model_build")
         self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))

@@ -193,6 +193,26 @@ class QueuedStep:
     t0: float
 
 
+def build_drafter(
+    cfg: JobConfig, spec: DrafterSpec, embed_VH: torch.Tensor, head_VH: torch.Tensor, device: torch.device
+) -> DFlashDrafter:
+    """The drafter as it starts training, its parameters made on the host (the same initial values
+    wherever it then trains) and its frozen embedding and head where they are given; the trainer
+    moves it to `device`, whose kind decides its kernels."""
+    torch.manual_seed(cfg.run.seed)  # identical init on every rank
+    return DFlashDrafter(
+        spec,
+        embed_VH,
+        head_VH,
+        backend=resolve_backend(cfg, device),
+        sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
+        compile=cfg.attention.compile,
+        tuned_kernels=cfg.attention.tuned_kernels,
+        flex_kernels=resolve_flex_kernels(cfg, device),
+        fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
+    )
+
+
 class DrafterTrainer:
     def __init__(
         self,
@@ -206,7 +226,10 @@ class DrafterTrainer:
         world_size: int = 1,
         on_step_compiled: Callable[[], None] | None = None,
         plan: ShapePlan | None = None,
+        model: DFlashDrafter | None = None,
     ) -> None:
+        """model: the drafter already built on the host by build_drafter (a spare drafter process,
+        dflash.pipeline.spare, builds it before it is needed); None builds it here."""
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
         self.backend = resolve_backend(cfg, device)
@@ -214,18 +237,9 @@ class DrafterTrainer:
         self.fused_loss = resolve_fused_loss(cfg, device)
         self.bf16_weights = resolve_bf16_weights(cfg, device)
         self.plan = plan if plan is not None else shape_plan(cfg)
-        torch.manual_seed(cfg.run.seed)  # identical init on every rank
-        model = DFlashDrafter(
-            spec,
-            embed_VH.to(device),
-            head_VH.to(device),
-            backend=self.backend,
-            sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
-            compile=cfg.attention.compile,
-            tuned_kernels=cfg.attention.tuned_kernels,
-            flex_kernels=self.flex_kernels,
-            fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
-        ).to(device)
+        if model is None:
+            model = build_drafter(cfg, spec, embed_VH, head_VH, device)
+        model = model.to(device)
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}
         # Every compiled part of this process (the drafter's layers; the target's too in the

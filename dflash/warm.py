@@ -63,7 +63,7 @@ def _emit(event: str, **fields: Any) -> None:
     sys.__stdout__.flush()  # type: ignore[union-attr]
 
 
-def _synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: Any) -> tuple[Any, ...]:
+def synthetic_step_inputs(cfg: Any, spec: Any, rows: int, length: int, device: Any) -> tuple[Any, ...]:
     """Full-length rows of random tokens, every position trained: values do not change compiled code."""
     import torch
 
@@ -178,7 +178,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
             before = compile_counters()
             time_before = _compile_seconds()
             t0 = time.perf_counter()
-            inputs = _synthetic_step_inputs(cfg, spec, shape.rows, shape.length, device)
+            inputs = synthetic_step_inputs(cfg, spec, shape.rows, shape.length, device)
             meter = PeakMeter(device)
             try:
                 with meter.measure():

@@ -27,9 +27,12 @@ PIPELINE_SETS = [
     "pipeline.prefetch_depth=4",
     "--set",
     "train.warmup_steps=2",
+    "--set",
+    "pipeline.spare_drafters=off",
 ]
 """The pipeline job tests' overrides of the demo config: eager attention (no compile on CI's two
-cores), a status line every second, a short warm-up."""
+cores), a status line every second, a short warm-up, no spare drafter process (a third process on
+CI's two cores; tests/dflash/test_spare_job.py turns it on)."""
 
 
 def wait_for(

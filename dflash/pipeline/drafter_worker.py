@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
 from dflash.pipeline.timeline import TIMELINE, last_heartbeat, number
 from dflash.rundir import Heartbeat, RunDir, format_status_line
+
+if TYPE_CHECKING:
+    from dflash.pipeline.spare import Takeover
 
 
 class Group:
@@ -210,7 +213,10 @@ def _redirect_output(path: Any) -> None:
     os.close(fd)
 
 
-def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
+def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | None = None) -> int:
+    """Train this rank until the last step or a stop. spare: a spare drafter process that took the
+    rank over (dflash.pipeline.spare): its imports, CUDA context and built drafter are used, its
+    timeline starts at the torchrun worker it serves."""
     from dflash.compile_cache import cache_dir_from_env
     from dflash.kernels import compile_counters
     from dflash.pipeline.state_copy import StateCopier, copy_dir
@@ -219,16 +225,22 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
     from dflash.trainer import Meter, ddp_backend
 
-    tl = TIMELINE
-    tl.mark("imports")
-    cache_dir_from_env()  # before anything compiles
-    apply_worker_threads("drafter")  # the thread count dflash.warm compiled the pipeline drafter under
+    tl = TIMELINE if spare is None else spare.timeline
     g = Group()
+    if spare is None:
+        tl.mark("imports")
+        cache_dir_from_env()  # before anything compiles
+        apply_worker_threads("drafter")  # the thread count dflash.warm compiled the pipeline drafter under
     device = _device(cfg, g)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.zeros(1, device=device)  # the context now, not inside a later phase
-    tl.mark("cuda_init")
+    if spare is None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.zeros(1, device=device)  # the context now, not inside a later phase
+        tl.mark("cuda_init")
+    elif device != spare.built.device:
+        raise DFlashError(
+            f"the spare drafter was built on {spare.built.device}, this rank trains on {device}"
+        )
     if g.world > 1:
         # The control collectives (stop agreement, resume step) use CPU tensors: gloo carries them.
         g.init_process_group(ddp_backend(device))
@@ -247,19 +259,27 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
     copies = copy_dir(queue_name)
     try:
         # The drafters need the target's head and the mask token, not the data: the targets read that.
-        target_path, _, mask_id = resolve_target(cfg)
-        tl.mark("target_config")
-        side = DrafterSide(
-            cfg,
-            run,
-            target_path,
-            mask_id,
-            device,
-            rank=g.rank,
-            world_size=g.world,
-            worker=worker,
-            mark=tl.mark,
-        )
+        if spare is None:
+            target_path, _, mask_id = resolve_target(cfg)
+            tl.mark("target_config")
+        else:
+            target_path, mask_id = spare.built.target_path, spare.built.mask_id
+        if spare is not None and spare.built.side is not None:
+            side = spare.built.side  # built and its graphs loaded on this device (a one-rank group)
+            side.run = run
+        else:
+            side = DrafterSide(
+                cfg,
+                run,
+                target_path,
+                mask_id,
+                device,
+                rank=g.rank,
+                world_size=g.world,
+                worker=worker,
+                mark=tl.mark,
+                built=None if spare is None else spare.built,
+            )
         trainer = side.trainer
         step, kind = _resume(side, g, run, copies, every, worker)
         if every:
@@ -333,6 +353,8 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str) -> int:
                 resumed_from_kind=kind,
                 died_at_step=died_at_step,
                 rolled_back_steps=None if died_at_step is None else max(0, died_at_step - max(step, 0)),
+                spare=None if spare is None else spare.built.mode,
+                spare_pid=None if spare is None else os.getpid(),
             )
 
         def finish(done: list[tuple[Any, Any]]) -> None:

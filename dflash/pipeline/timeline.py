@@ -78,8 +78,10 @@ class Timeline:
     """The phases of one start, in order, each from the end of the one before. Made at import time
     of the worker module, so `imports` is the interpreter's start and the imports that follow it."""
 
-    def __init__(self) -> None:
-        self.started = process_start_time() or time.time()
+    def __init__(self, started: float | None = None) -> None:
+        """started: when the generation's process started (default this one's; a spare drafter
+        that takes a rank over gives the start of the torchrun worker it serves)."""
+        self.started = started or process_start_time() or time.time()
         self._before: list[Phase] = []
         self._phases: list[Phase] = []
         self._last = self.started

@@ -61,6 +61,7 @@ def test_a_killed_drafter_resumes_from_the_state_copy(repo, tmp_path):
     assert restart["resumed_from"] % every == 0
     (start,) = [e for e in run.read_events("generation_start") if e.get("generation") == 1]
     assert start["resumed_from_kind"] == "copy" and start["rolled_back_steps"] <= every
+    assert start["spare"] is None  # pipeline.spare_drafters = off: today's path
     stopped = run.read_events("stopped")[-1]
     assert stopped["reason"] == "completed"
     assert run.read_events("drafters_done")[-1]["step"] == total
