@@ -52,6 +52,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds for the whole job part")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--spares",
+        default="off,auto",
+        help="pipeline.spare_drafters values to measure in turn, comma-separated (off: today's cold "
+        "restart; auto: the spare the job chooses), each on the same warm cache",
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON, not the phase tables")
     ap.add_argument("--out", default=default_out("restart"))
     return ap.parse_args()
@@ -163,6 +169,13 @@ def measure(
                 lambda: (b := heartbeat(run_dir)).get("step", 0) >= args.kill_at_step and b, deadline, proc,
                 f"step {args.kill_at_step}",
             )  # fmt: skip
+            plan = next((e for e in read_events(run_dir) if e.get("event") == "spare_plan"), {})
+            if plan.get("mode", "off") != "off":  # the kill comes once the spare is ready to take over
+                wait_for(
+                    lambda: any(e.get("event") == "spare_ready" for e in read_events(run_dir)), deadline, proc,
+                    "the spare drafter's spare_ready",
+                )  # fmt: skip
+                hb = heartbeat(run_dir)
             killed_at = time.time()
             os.kill(hb["pid"], signal.SIGKILL)
 
@@ -180,9 +193,15 @@ def measure(
     first = next(e for e in events if e.get("event") == "generation_start" and e.get("generation") == 0
                  and e.get("role") == "drafter-group")  # fmt: skip
     misses = [e for e in events if e.get("event") == "cache_miss"]
+    spare = {
+        k: [e for e in events if e.get("event") == k] for k in ("spare_plan", "spare_ready", "spare_takeover")
+    }
     shutil.rmtree(run_dir, ignore_errors=True)  # a killed 8B drafter's partial state is GBs
     return {
         "command": " ".join(argv),
+        "spare_plan": spare["spare_plan"][0] if spare["spare_plan"] else None,
+        "spare_ready": spare["spare_ready"],
+        "spare_takeover": spare["spare_takeover"],
         "killed_at_step": hb.get("step"),
         "gap_s": round(restart["t"] - killed_at, 3),
         "restart": restart,
@@ -212,7 +231,6 @@ def main() -> None:
     config, sets = job_sets(args, work)
     cache = work / ("restart-cache-tiny" if args.tiny else "restart-cache-8b")
     warm_s = warm(config, sets, cache, work / "restart-warm.log")
-    res = measure(config, sets, cache, work, args)
     import torch
 
     report = {
@@ -220,25 +238,38 @@ def main() -> None:
         "config": str(config.relative_to(REPO)),
         "sets": sets,
         "warm_s": round(warm_s, 1),
-        **res,
+        "runs": {},
     }
-    write_report(args.out, report)
+    for mode in [m.strip() for m in args.spares.split(",") if m.strip()]:
+        res = measure(config, [*sets, f"pipeline.spare_drafters={mode}"], cache, work, args)
+        report["runs"][mode] = res
+        write_report(args.out, report)  # each measured run kept, should a later one fail
+        if not args.json:
+            print_run(mode, res)
     if args.json:
         print(json.dumps(report, indent=2))
-        return
+    print(f"-> {args.out}")
+
+
+def print_run(mode: str, res: dict[str, Any]) -> None:
     r = res["restart"]
     rolled = r.get("rolled_back_steps")
+    plan = res.get("spare_plan") or {}
+    ready = res.get("spare_ready") or []
+    print(f"== pipeline.spare_drafters={mode}: spares {plan.get('mode', 'off')} ({plan.get('why', '')})")
+    if ready:
+        print(f"   spare ready {ready[0].get('seconds')} s after its start ({ready[0].get('mode')})")
     print(
         f"SIGKILL of drafter-0 at step {res['killed_at_step']} -> first trained step of generation 1: "
         f"{res['gap_s']:.1f} s measured here, {r['total_s']:.1f} s by the job's phases (from the last "
         f"heartbeat); {rolled} step(s) rolled back (died at step {r.get('died_at_step')}, resumed from "
-        f"{r.get('resumed_from_kind') or 'step 0'}{'' if r.get('resumed_from') is None else ' ' + str(r['resumed_from'])})"
+        f"{r.get('resumed_from_kind') or 'step 0'}{'' if r.get('resumed_from') is None else ' ' + str(r['resumed_from'])}); "
+        f"taken over by a spare: {r.get('spare') or 'no'}"
     )
     print("\n".join(table(r, "restart (generation 1), from the death:")))
     print("\n".join(table(res["first_start"], "first start (generation 0), from the launch:")))
     if res["cache_misses"]:
         print(f"warning: {len(res['cache_misses'])} cache_miss event(s): the cache was not warm")
-    print(f"-> {args.out}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ class Report:
     config: dict[str, Any] | None = None
     """The resolved config; None when the config itself has errors (it would show defaults there)."""
     shm_bytes: int | None = None
+    spare: dict[str, Any] | None = None
+    """The spare drafters (pipeline.spare_drafters) as the launcher resolves them here: mode, why,
+    host_bytes and gpu_bytes each, per_host of them."""
 
     def error(self, key: str, message: str) -> None:
         self.errors.append({"key": key, "message": message})
@@ -71,6 +74,7 @@ class Report:
             "warnings": self.warnings,
             "config": self.config,
             "shm_bytes": self.shm_bytes,
+            "spare": self.spare,
             "entry": ENTRY,
         }
 
@@ -122,6 +126,7 @@ def check(
         queue = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
         copies = _state_copy_bytes(cfg, sizes, report)
         report.shm_bytes = None if queue is None else queue + copies
+        report.spare = _spare(cfg, sizes, report)
     if device is not None:
         _check_fused_qk_norm_rope(cfg, device, sizes, report)
     return report
@@ -294,12 +299,11 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
     return need
 
 
-def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int:
-    """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
-    the launcher sizes them: the drafter built on the meta device from the target's config.json."""
-    if not cfg.pipeline.state_copy_every or report.errors:
-        return 0  # with errors the check fails anyway: no drafter build (and its imports) for nothing
-    from dflash.pipeline.state_copy import copies_nbytes
+def _drafter_spec(cfg: JobConfig, sizes: TargetSizes, report: Report, key: str, what: str) -> Any:
+    """The drafter's spec from the target's config.json (None, with a warning on `key`, when it cannot
+    be resolved; nothing is built for a config with errors: the check fails anyway)."""
+    if report.errors:
+        return None
     from dflash.spec import resolve_spec
 
     try:
@@ -315,16 +319,58 @@ def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int
                 text.setdefault("num_key_value_heads", text["num_attention_heads"])
             target = Qwen3Config(**text)
         # The mask token does not change the trainable sizes (the embedding and head are frozen).
-        spec = resolve_spec(cfg.drafter, target, 0)
+        return resolve_spec(cfg.drafter, target, 0)
     except (ConfigError, DFlashError, ValueError, TypeError) as e:
         # What stops the drafter's sizes is reported by the checks it belongs to; alone, a warning.
-        report.warn(
-            "pipeline.state_copy_every",
-            f"the drafter state copies cannot be sized from the target's config.json ({e}): "
-            "shm_bytes counts the hidden-state queue only",
-        )
+        report.warn(key, f"{what} cannot be sized from the target's config.json ({e})")
+        return None
+
+
+def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int:
+    """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
+    the launcher sizes them: the drafter built on the meta device from the target's config.json."""
+    if not cfg.pipeline.state_copy_every:
         return 0
-    return copies_nbytes(spec)
+    from dflash.pipeline.state_copy import copies_nbytes
+
+    spec = _drafter_spec(
+        cfg,
+        sizes,
+        report,
+        "pipeline.state_copy_every",
+        "the drafter state copies (shm_bytes counts the queue only)",
+    )
+    return 0 if spec is None else copies_nbytes(spec)
+
+
+def _spare(cfg: JobConfig, sizes: TargetSizes, report: Report) -> dict[str, Any] | None:
+    """The spare drafters' mode and cost on this host, as the launcher decides them before any worker
+    (dflash.placement.spare_plan); a mode asked for that does not fit is an error naming the key."""
+    from dflash.pipeline import worker_devices
+    from dflash.pipeline.state_copy import host_room
+    from dflash.placement import cuda_index, host_devices, spare_host_bytes, spare_plan
+    from dflash.session import torch_dtype
+
+    spec = _drafter_spec(cfg, sizes, report, "pipeline.spare_drafters", "the spare drafters")
+    if spec is None:
+        return None
+    try:
+        devices = worker_devices(cfg)
+        uses_cuda = any(cuda_index(d) is not None for d in devices[1])
+        plan = spare_plan(
+            cfg,
+            *devices,
+            host_bytes=spare_host_bytes(spec, torch_dtype(cfg.target.dtype).itemsize),
+            mem_available=host_room()[1],
+            totals=host_devices()[1] if uses_cuda else {},
+            record=None,  # the restored artifact's record is the launcher's to read
+        )
+    except ConfigError as e:
+        report.config_error(e)
+        return None
+    except DFlashError:
+        return None  # device lists: reported by their own check
+    return {**plan.to_dict(), "per_host": len(devices[1])}
 
 
 class _UsageError(Exception):
@@ -361,6 +407,14 @@ def _print_human(config: str, report: Report) -> None:
         print(f"{config}: ok")
     else:
         print(f"{config}: ok (hidden-state queue: {report.shm_bytes / 2**20:.1f} MiB of /dev/shm)")
+    if not report.errors and report.spare is not None:
+        sp = report.spare
+        cost = (
+            f": {sp['per_host']} x ({sp['host_bytes'] / 2**30:.1f} GiB host, {sp['gpu_bytes'] / 2**30:.1f} GiB GPU)"
+            if sp["mode"] != "off"
+            else ""
+        )
+        print(f"spare drafters: {sp['mode']}{cost} ({sp['why']})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -299,3 +299,40 @@ def test_the_fused_qk_norm_rope_with_a_head_dim_its_kernel_cannot_take_is_refuse
     assert not any("head_dim" in e["message"] for e in report["errors"]), report["errors"]
     rc, report = _check(capsys, DEMO, *_sets(*base))
     assert rc == 0, report["errors"]
+
+
+def test_the_spare_drafters_mode_and_cost_are_reported(tmp_path, capsys):
+    """As the launcher resolves pipeline.spare_drafters before any worker: the CPU demo loads its
+    graphs ahead; a two-rank group gets host spares; graphs asked for a two-rank group is an error."""
+    from dflash.pipeline.state_copy import copy_nbytes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 512}))
+    (model / "model.safetensors").write_bytes(b"not weights: loading them would fail")
+    sets = ["target.path=" + str(model), f"run.runs_root={tmp_path}", "drafter.num_target_layers=4"]
+    rc, report = _check(capsys, DEMO, *_sets(*sets))
+    assert rc == 0, report["errors"]
+    spare = report["spare"]
+    assert (spare["mode"], spare["per_host"], spare["gpu_bytes"]) == ("graphs", 1, 0)
+    from transformers import Qwen3Config
+
+    from dflash.spec import resolve_spec
+
+    spec = resolve_spec(
+        load_config(DEMO, sets).drafter, Qwen3Config(num_hidden_layers=40, hidden_size=512), 0
+    )
+    frozen = (
+        2 * 151936 * 512 * 4
+    )  # Qwen3's default vocabulary, float32 (the demo's dtype): embedding and head
+    assert spare["host_bytes"] == copy_nbytes(spec) // 3 + frozen
+    rc, report = _check(capsys, DEMO, *_sets(*sets, "pipeline.drafters=2", "pipeline.queue_depth=8"))
+    assert rc == 0 and report["spare"]["mode"] == "host" and report["spare"]["per_host"] == 2
+    rc, report = _check(
+        capsys,
+        DEMO,
+        *_sets(*sets, "pipeline.drafters=2", "pipeline.queue_depth=8", "pipeline.spare_drafters=graphs"),
+    )
+    assert (
+        rc == 2 and _keys(report) == ["pipeline.spare_drafters"] and "DDP" in report["errors"][0]["message"]
+    )
