@@ -209,6 +209,10 @@ class Supervisor:
     taken: list[Proc] = field(default_factory=list)
     """Spares that took a rank over: drafter workers now, ended with the drafter group."""
     spare_starts: int = 0
+    spares_pending: bool = False
+    """The spares start once the drafter group's first generation trained its first step: getting
+    ready beside its cold start would slow that start (CPU, disk and host memory bandwidth) and
+    leave it no faster (its first generation cannot use a spare that is not ready yet)."""
     queue_name: str = ""
     targets_released: bool = False
     """The drafters trained every step (event drafters_done): the targets were told to stop while
@@ -262,8 +266,7 @@ class Supervisor:
             self.spare_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.spare_dir.glob("*.sock"):
                 stale.unlink(missing_ok=True)
-            for local_rank in range(self.cfg.pipeline.drafters):
-                self.start_spare(local_rank)
+            self.spares_pending = True  # started once the group trained its first step (read_events)
         torchrun = [
             sys.executable,
             "-m",
@@ -436,6 +439,13 @@ class Supervisor:
             for rec in records
             if rec.get("event") == "spare_takeover" and isinstance(rec.get("pid"), int)
         ]
+        if self.spares_pending and any(
+            rec.get("event") == "generation_start" and rec.get("role") == "drafter-group" for rec in records
+        ):
+            self.spares_pending = False
+            if not (self.stopping or self.targets_released):
+                for local_rank in range(self.cfg.pipeline.drafters):
+                    self.start_spare(local_rank)
         self.tend_spares(takeovers)
         for rec in records:
             if rec.get("event") == "worker_error" and rec.get("before_first_step"):
