@@ -270,6 +270,46 @@ class DFlashDrafter(nn.Module):
         rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
         return LayerInputs(windows, plans, ctx_BSH, h_BQH, rope_q, rope_kv)
 
+    def context_rows(self, target_hidden_BSF: Tensor) -> Tensor:
+        """The context's keys and values of every layer for these target positions (context_kv of
+        the fused context): a function of each position alone, so a decoding loop keeps the rows
+        of the tokens verified so far and appends the newly accepted ones (dflash.specdec)."""
+        autocast = torch.is_autocast_enabled(target_hidden_BSF.device.type)
+        ctx_BSH = self.outer_norm(
+            self.hidden_norm,
+            self.fc(target_hidden_BSF if autocast else target_hidden_BSF.to(self.fc.weight.dtype)),
+        )
+        return self.context_kv(ctx_BSH)
+
+    def draft_block(self, rows_BSC: Tensor, first_B: Tensor) -> Tensor:
+        """One block's final hidden states [B, K, H] at the position after the context: [first token,
+        mask x (K-1)] anchored at S = rows' length, seeing every context row (within each sliding
+        layer's window) and its own block, as in training. rows: context_rows of positions 0..S-1."""
+        B, S = rows_BSC.shape[:2]
+        K = self.spec.block_size
+        anchors_BA = torch.full((B, 1), S, dtype=torch.long, device=rows_BSC.device)
+        seq_lens_B = torch.full((B,), S, dtype=torch.long, device=rows_BSC.device)
+        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
+        plans = self.backend.prepare(
+            anchors_BA,
+            seq_lens_B,
+            context_len=S,
+            block_size=K,
+            windows=windows,
+            sliding_causal=self.spec.sliding_block_causal,
+        )
+        ids_BK = torch.full((B, K), self.spec.mask_token_id, dtype=torch.long, device=rows_BSC.device)
+        ids_BK[:, 0] = first_B
+        h_BQH = F.embedding(ids_BK, self.embed_weight_VH).to(self.fc.weight.dtype)
+        pos_BL = torch.arange(S + K, device=rows_BSC.device).expand(B, S + K)
+        rope_kv = self.rotary_emb(h_BQH, pos_BL)
+        rope_q = (rope_kv[0][:, S:], rope_kv[1][:, S:])
+        for layer, window, rows in zip(
+            self.layers, windows, rows_BSC.chunk(len(self.layers), dim=-1), strict=True
+        ):
+            h_BQH = layer(h_BQH, rows, rope_q, rope_kv, self.backend, plans[window])
+        return self.outer_norm(self.norm, h_BQH)
+
     def context_kv(self, ctx_BSH: Tensor) -> Tensor:
         """The context's keys and values of every layer, [B, S, layers * 2 * kv_heads * head_dim]:
         layer i's k_proj then v_proj outputs, layer after layer, in one product (the weights
