@@ -63,6 +63,17 @@ def test_run_ps_logs_stop_in_tmux(tmp_path: Path) -> None:
     assert "step=" in (run_dir / "logs" / "supervisor.log").read_text()
     assert not marker.exists()
     assert cli.ps()[0]["state"] == "stopped"
+    # The stopped run's final checkpoint under speculative decoding, in the job's environment.
+    measured = json.loads(
+        cli("eval", "tm", "--json", "--limit", "2", "--max-new", "8").stdout.splitlines()[-1]
+    )
+    assert (
+        measured["kind"] == "run"
+        and measured["source"] == str(run_dir.resolve())
+        and measured["prompts"] == 2
+    )
+    assert 1.0 <= measured["tau"] <= 16 and measured["rounds"] == sum(measured["histogram"].values())
+    assert not marker.exists()
 
 
 def test_force_stop_kills_every_recorded_process(tmp_path: Path) -> None:
