@@ -15,7 +15,8 @@ HELP = (
     "environments (build, lock, doctor), warm and manage their compile caches (warm-cache, cache); "
     "launch a job in tmux, a container or this terminal, here or over ssh (run), then find, follow "
     "and stop it (ps, logs, attach, stop); watch it live and act on hangs (watch, baselines); report "
-    "on a finished run (report); or try it all on CPU (demo)."
+    "on a finished run (report) and measure its drafter under speculative decoding (eval); or try it "
+    "all on CPU (demo)."
 )
 
 app = typer.Typer(
