@@ -373,10 +373,24 @@ class TrainConfig:
     a drafter group (pipeline.drafters x nnodes > 1), true averages the gradients in bf16: half the
     all-reduce bytes, and one bf16 rounding more in the averaged gradient, which is why auto leaves a
     group on float32 weights. Needs CUDA."""
+    tau_eval: str = "auto"
+    """true | false | auto (true where the drafters train on the CPU): after each checkpoint the
+    pipeline's supervisor measures tau, the acceptance length under real speculative decoding
+    (`python -m dflash.eval` on the checkpoint, a process of its own at low CPU priority, on the
+    CPU), and writes a `tau` event; watch, report and ps read it. auto leaves GPU jobs off: the
+    eval would need a second, full copy of the target beside the workers' (docs/watch.md)."""
+    tau_prompts: str = ""
+    """The held-out prompts of the in-job tau (a JSONL file of text or messages records that the
+    job does not train on); empty = `demo` for the demo corpus (records of another seed), else none
+    (then tau is not measured and a `tau_skipped` event says why)."""
+    tau_prompt_count: Annotated[int, AtLeast1] = 16
+    """Prompts per in-job tau measurement."""
+    tau_max_new: Annotated[int, AtLeast1] = 32
+    """New tokens per prompt in the in-job tau measurement."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check_tristate(self, "fused_loss", "bf16_weights")
+        check_tristate(self, "fused_loss", "bf16_weights", "tau_eval")
         if len(self.betas) != 2:
             raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {_show(self.betas)}")
 

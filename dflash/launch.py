@@ -214,6 +214,8 @@ class Supervisor:
     ready beside its cold start would slow that start (CPU, disk and host memory bandwidth) and
     leave it no faster (its first generation cannot use a spare that is not ready yet)."""
     queue_name: str = ""
+    tau: Any = None
+    """The in-job tau measurement (TauEval), None when train.tau_eval resolves off."""
     targets_released: bool = False
     """The drafters trained every step (event drafters_done): the targets were told to stop while
     the drafter processes and torchrun exit, instead of after them; their exits are no deaths."""
@@ -393,6 +395,7 @@ class Supervisor:
             *([self.drafters] if self.drafters else []),
             *self.spares.values(),
             *self.taken,
+            *([self.tau.proc] if self.tau is not None and self.tau.proc is not None else []),
         ]
 
     def stop_drafters(self) -> None:
@@ -447,6 +450,10 @@ class Supervisor:
                 for local_rank in range(self.cfg.pipeline.drafters):
                     self.start_spare(local_rank)
         self.tend_spares(takeovers)
+        if self.tau is not None:
+            for rec in records:
+                if rec.get("event") == "checkpoint" and isinstance(rec.get("path"), str):
+                    self.tau.due(rec["path"], rec.get("step"))
         for rec in records:
             if rec.get("event") == "worker_error" and rec.get("before_first_step"):
                 gen = rec.get("generation")
@@ -480,6 +487,8 @@ class Supervisor:
             time.sleep(0.5)
             self.echo_metrics()
             self.read_events()
+            if self.tau is not None:
+                self.tau.poll()
             repeated = None if self.stopping else self.repeated_early_failure()
             if repeated is not None:
                 self.error = repeated
@@ -529,6 +538,9 @@ class Supervisor:
     def shutdown(self, drafter_code: int) -> dict[str, Any]:
         for proc in [*self.targets, *self.spares.values()]:
             proc.signal(signal.SIGTERM)
+        if self.tau is not None:
+            self.read_events()  # the final checkpoint's event: its tau is measured before the end
+            self.tau.finish(wait_s=0 if self.stopping else self.tau.final_wait_s)
         deadline = time.time() + 20
         for proc in self.targets:
             while proc.poll() is None and time.time() < deadline:
@@ -745,6 +757,105 @@ def state_copies(cfg: JobConfig, spec: Any, run: RunDir, queue_name: str, queue_
     prepare_copies(queue_name, supervisor_token())
 
 
+def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
+    """train.tau_eval: auto is on where the drafters train on the CPU (the eval runs there too)."""
+    s = str(cfg.train.tau_eval).lower()
+    return all(d == "cpu" for d in drafters) if s == "auto" else s == "true"
+
+
+def tau_prompts(cfg: JobConfig) -> str | None:
+    """The in-job tau's held-out prompts (train.tau_prompts), None when there are none."""
+    if cfg.train.tau_prompts:
+        return cfg.train.tau_prompts
+    return "demo" if cfg.data.path == "demo" else None
+
+
+@dataclass
+class TauEval:
+    """Tau after each checkpoint, measured by `python -m dflash.eval CHECKPOINT --json` in a process
+    of its own at low CPU priority (logs/tau-eval.log), one at a time: a checkpoint written while
+    one runs waits, and only the newest waiting one is measured. Its answer becomes a `tau` event
+    (a failure a `tau_failed` event, with its error line)."""
+
+    cfg: JobConfig
+    run: RunDir
+    prompts: str
+    proc: Proc | None = None
+    step: int | None = None
+    started: float = 0.0
+    waiting: tuple[str, int | None] | None = None
+    final_wait_s: float = 180.0
+    """At a completed end, how long the final checkpoint's measurement may still take."""
+
+    def due(self, path: str, step: Any) -> None:
+        self.waiting = (path, step if isinstance(step, int) else None)
+        self.poll()
+
+    def _start(self, path: str, step: int | None) -> None:
+        t = self.cfg.train
+        nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+        argv = [*nice, sys.executable, "-m", "dflash.eval", path, "--json", "--device", "cpu"]
+        argv += [
+            "--prompts",
+            self.prompts,
+            "--limit",
+            str(t.tau_prompt_count),
+            "--max-new",
+            str(t.tau_max_new),
+        ]
+        self.proc = Proc("tau-eval", argv, self.run.logs / "tau-eval.log")
+        self.proc.start(env={"OMP_NUM_THREADS": "1"})
+        self.step, self.started = step, time.time()
+
+    def poll(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        if self.proc is not None:
+            self._record(self.proc)
+            self.proc = None
+        if self.waiting is not None:
+            path, step = self.waiting
+            self.waiting = None
+            self._start(path, step)
+
+    def _record(self, proc: Proc) -> None:
+        lines = [ln for ln in _tail(proc.log, proc.log_start).splitlines() if ln.strip()]
+        result = None
+        for line in reversed(lines):
+            if line.startswith("{"):
+                try:
+                    result = json.loads(line)
+                except ValueError:
+                    continue
+                break
+        seconds = round(time.time() - self.started, 3)
+        if proc.poll() == 0 and isinstance(result, dict):
+            keep = ("tau", "rounds", "histogram", "acceptance_per_position", "prompts", "tokens", "tokens_per_s",
+                    "speedup", "prompts_from", "max_new", "drafter")  # fmt: skip
+            self.run.event("tau", step=self.step, seconds=seconds, **{k: result.get(k) for k in keep})
+        else:
+            error = next(
+                (ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else ""
+            )
+            self.run.event(
+                "tau_failed", step=self.step, exit_code=proc.poll(), seconds=seconds, error=error[-400:]
+            )
+
+    def finish(self, wait_s: float) -> None:
+        """The measurement of the newest checkpoint, within wait_s (0: stop the one running)."""
+        deadline = time.time() + wait_s
+        while wait_s > 0 and time.time() < deadline and (self.waiting is not None or self.proc is not None):
+            self.poll()
+            time.sleep(0.2)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill_tree()
+            self.run.event(
+                "tau_failed", step=self.step, exit_code=None, error="stopped with the job before it finished"
+            )
+            self.proc = None
+        self.waiting = None
+
+
 def plan_spares(
     cfg: JobConfig, devices: tuple[list[str], list[str]], spec: Any, elem: int, target_path: str
 ) -> Any:
@@ -820,6 +931,16 @@ def launch(args: argparse.Namespace) -> int:
             data=parts.dataset.summary(),
             spare_plan=spares,
         )
+        if resolve_tau_eval(cfg, devices[1]):
+            prompts = tau_prompts(cfg)
+            if prompts is None:
+                run.event(
+                    "tau_skipped",
+                    reason="no held-out prompts for the in-job tau: set train.tau_prompts to a JSONL file of "
+                    "prompts the job does not train on",
+                )
+            else:
+                sup.tau = TauEval(cfg, run, prompts)
         signal.signal(signal.SIGTERM, sup.on_signal)
         signal.signal(signal.SIGINT, sup.on_signal)
         early.check()  # from here on, a signal is the Supervisor's to handle

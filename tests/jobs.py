@@ -29,10 +29,12 @@ PIPELINE_SETS = [
     "train.warmup_steps=2",
     "--set",
     "pipeline.spare_drafters=off",
+    "--set",
+    "train.tau_eval=false",
 ]
 """The pipeline job tests' overrides of the demo config: eager attention (no compile on CI's two
-cores), a status line every second, a short warm-up, no spare drafter process (a third process on
-CI's two cores; tests/dflash/test_spare_job.py turns it on)."""
+cores), a status line every second, a short warm-up, no spare drafter process and no in-job tau (more
+processes on CI's two cores; tests/dflash/test_spare_job.py and test_tau_job.py turn them on)."""
 
 
 def wait_for(

@@ -1,0 +1,53 @@
+"""tau in the job (issue 47): the pipeline's supervisor measures the acceptance length after each
+checkpoint with `python -m dflash.eval` on held-out prompts, on the CPU with the real demo-size job."""
+
+from __future__ import annotations
+
+from jobs import PIPELINE_SETS, start_job
+
+from dflash.rundir import RunDir
+
+
+def test_a_demo_size_run_records_tau_after_each_checkpoint(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [*PIPELINE_SETS, "--set", "train.total_steps=20", "--set", "train.checkpoint_every=10"]
+    sets += [
+        "--set",
+        "train.tau_eval=true",
+        "--set",
+        "train.tau_prompt_count=4",
+        "--set",
+        "train.tau_max_new=16",
+    ]
+    proc = start_job("dflash.launch", repo, tmp_path, run_dir, *sets)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    run = RunDir(run_dir)
+    assert run.read_events("stopped")[-1]["reason"] == "completed"
+    taus = run.read_events("tau")
+    # After step 10 and after the final checkpoint (step 20), which the supervisor waits for.
+    assert [t["step"] for t in taus] == [10, 20], (taus, run.read_events("tau_failed"))
+    for t in taus:
+        assert 1.0 <= t["tau"] <= 16 and t["prompts"] == 4 and t["prompts_from"] == "demo"
+        assert t["rounds"] == sum(t["histogram"].values()) and len(t["acceptance_per_position"]) == 15
+        assert t["drafter"].endswith(f"step-{t['step']}") and t["seconds"] > 0
+    assert not run.read_events("tau_failed")
+
+
+def test_no_held_out_prompts_is_said_once_and_training_goes_on(repo, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(
+            f'{{"text": "The red fox sees the blue owl near the river, {i} times."}}\n' for i in range(200)
+        )
+    )
+    run_dir = tmp_path / "run"
+    sets = [*PIPELINE_SETS, "--set", "train.total_steps=4", "--set", f"data.path={corpus}"]
+    sets += ["--set", "train.tau_eval=true", "--set", "data.min_seq_len=4"]
+    proc = start_job("dflash.launch", repo, tmp_path, run_dir, *sets)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    run = RunDir(run_dir)
+    (skipped,) = run.read_events("tau_skipped")
+    assert "train.tau_prompts" in skipped["reason"]
+    assert not run.read_events("tau") and run.read_events("stopped")[-1]["reason"] == "completed"
