@@ -757,6 +757,29 @@ def state_copies(cfg: JobConfig, spec: Any, run: RunDir, queue_name: str, queue_
     prepare_copies(queue_name, supervisor_token())
 
 
+def _metric_at(path: Path, step: int | None, key: str, tail: int = 1 << 16) -> float | None:
+    """`key` of the newest status record at or before `step` in metrics.jsonl's last `tail` bytes
+    (a tau event carries the teacher-forced accuracy of its checkpoint's step beside it)."""
+    if step is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - tail)
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()[1 if start else 0 :]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        value = rec.get(key) if isinstance(rec, dict) else None
+        if isinstance(rec.get("step"), int) and rec["step"] <= step and isinstance(value, int | float):
+            return float(value)
+    return None
+
+
 def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
     """train.tau_eval: auto is on where the drafters train on the CPU (the eval runs there too)."""
     s = str(cfg.train.tau_eval).lower()
@@ -832,7 +855,8 @@ class TauEval:
         if proc.poll() == 0 and isinstance(result, dict):
             keep = ("tau", "rounds", "histogram", "acceptance_per_position", "prompts", "tokens", "tokens_per_s",
                     "speedup", "prompts_from", "max_new", "drafter")  # fmt: skip
-            self.run.event("tau", step=self.step, seconds=seconds, **{k: result.get(k) for k in keep})
+            acc = _metric_at(self.run.metrics, self.step, "acc")
+            self.run.event("tau", step=self.step, seconds=seconds, acc=acc, **{k: result.get(k) for k in keep})
         else:
             error = next(
                 (ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else ""

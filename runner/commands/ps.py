@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--all", "-a", help="Also stopped, failed and stale runs.")
         ] = False,
     ) -> None:
-        """List runs: id, name, state (running/starting/stopped/failed/stale), backend, hosts, step, tok/s, age."""
+        """List runs: id, name, state (running/starting/stopped/failed/stale), backend, hosts, step, tok/s, last tau, age."""
         with cli_errors(), remote.connections():
             rows = [status(r) for r in Registry().all()]
         if not show_all:
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
             return
         table = Table(box=None, pad_edge=False)
-        for col in ("RUN ID", "NAME", "STATE", "BACKEND", "HOSTS", "STEP", "TOK/S", "AGE"):
+        for col in ("RUN ID", "NAME", "STATE", "BACKEND", "HOSTS", "STEP", "TOK/S", "TAU", "AGE"):
             table.add_column(col, no_wrap=col in ("RUN ID", "STATE"), overflow="fold")
         for r in rows:
             d = r.to_dict()
@@ -54,6 +54,7 @@ def register(app: typer.Typer) -> None:
                 ",".join(d["hosts"]),
                 "-" if r.step is None else str(r.step),
                 "-" if r.tok_s is None else f"{r.tok_s:,.0f}",
+                "-" if r.tau is None else f"{r.tau:.2f}",
                 _age(time.time() - r.record.created_at),
             )
         console.print(table)

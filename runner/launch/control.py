@@ -17,7 +17,7 @@ from runner.launch import docker as docker_backend
 from runner.launch import tmux
 from runner.launch.plan import SUPERVISOR_LOG
 from runner.launch.registry import HostRecord, RunRecord
-from runner.rundir import RunLocation, RunView, read_run, tail_argv
+from runner.rundir import RunLocation, RunView, read_run, tail_argv, tau_series
 
 _PROC_SOURCE = (Path(__file__).parents[1] / "exec" / "proc.py").read_text()
 _STATE_ORDER = ["failed", "stale", "running", "starting", "stopped"]
@@ -35,6 +35,8 @@ class RunStatus:
     views: list[RunView] = field(default_factory=list)
     step: int | None = None
     tok_s: float | None = None
+    tau: float | None = None
+    """The newest tau measurement's (the job's `tau` events): acceptance under speculative decoding."""
     reason: str | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -48,6 +50,7 @@ class RunStatus:
             "run_dirs": [h.run_dir for h in self.record.hosts],
             "step": self.step,
             "tok_s": self.tok_s,
+            "tau": self.tau,
             "age_s": round(time.time() - self.record.created_at, 1),
             "reason": self.reason,
             "errors": self.errors,
@@ -81,6 +84,7 @@ def status(rec: RunRecord) -> RunStatus:
         views=views,
         step=latest.get("step") if latest else None,
         tok_s=latest.get("tok_s") if latest else None,
+        tau=next((float(t[-1]["tau"]) for v in views if (t := tau_series(v.events))), None),
         reason="; ".join(sorted(set(reasons))) or None,
         errors=errors,
     )

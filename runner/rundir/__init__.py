@@ -17,6 +17,7 @@ from runner.rundir.reader import (
     parse_jsonl,
     read_run,
     tail_argv,
+    tau_series,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "parse_jsonl",
     "read_run",
     "tail_argv",
+    "tau_series",
 ]

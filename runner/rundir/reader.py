@@ -7,7 +7,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,20 @@ def last_lifecycle(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         if e.get("event") in ("started", "launched", "stopped"):
             return e
     return None
+
+
+def tau_series(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The job's tau measurements (`tau` events: acceptance under speculative decoding after a
+    checkpoint), by step; the newest of a step kept."""
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for e in events:
+        if (
+            e.get("event") == "tau"
+            and isinstance(e.get("step"), int)
+            and isinstance(e.get("tau"), int | float)
+        ):
+            by_step[int(e["step"])] = e
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:

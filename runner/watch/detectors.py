@@ -18,6 +18,7 @@ from runner.watch.detect_pipeline import (
     throughput_vs_baseline,
 )
 from runner.watch.detect_run import cold_compiles, degraded_events, job_state, restarts, sampler_state
+from runner.watch.detect_tau import tau_findings
 from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom
 from runner.watch.findings import Finding, exit_code, sort_findings
 from runner.watch.snapshot import Snapshot
@@ -40,6 +41,7 @@ DETECTORS: tuple[Detector, ...] = (
     gpu_health,
     nvml_state,
     restarts,
+    tau_findings,
     job_state,
     sampler_state,
 )

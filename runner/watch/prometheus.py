@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
 from runner.rundir import WORKER_STATES as HEARTBEAT_STATES
+from runner.rundir import tau_series
 from runner.watch.findings import SEVERITY_RANK, Finding, exit_code
 from runner.watch.snapshot import GpuView, Snapshot
 
@@ -193,6 +194,18 @@ def _add(f: _Families, snap: Snapshot, findings: Sequence[Finding], updated_at: 
             f.add(
                 "dflash_pipeline_q_hs", "Hidden-state batches ready in the transport.", ["queue"], [str(i)], q
             )
+    taus = tau_series(snap.events)
+    if taus:
+        last = taus[-1]
+        f.add("dflash_drafter_tau", "Newest tau: tokens per target verification under speculative decoding "
+              "(the job's tau event, after a checkpoint).", [], [], last["tau"])  # fmt: skip
+        f.add(
+            "dflash_drafter_tau_step",
+            "The step whose checkpoint gave dflash_drafter_tau.",
+            [],
+            [],
+            last["step"],
+        )
     for sev in SEVERITY_RANK:
         f.add(
             "dflash_watch_findings",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
-from runner.rundir import last_lifecycle, parse_jsonl
+from runner.rundir import last_lifecycle, parse_jsonl, tau_series
 from runner.watch.signals import fmt_duration, fmt_tok
 from runner.watch.timeline import StartTimeline, cost, secs, starts
 
@@ -185,6 +185,8 @@ class ReportSummary:
     starts: list[dict[str, Any]]
     """Each start of a worker generation, phase by phase (runner.watch.timeline.StartTimeline)."""
     lines: list[str]
+    taus: list[dict[str, Any]] = field(default_factory=list)
+    """The job's tau measurements ({step, tau, acc}), by step: acceptance under speculative decoding."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -269,6 +271,7 @@ def summarize(data: RunData, png: Path) -> ReportSummary:
         gpus=len(data.gpus),
         starts=[tl.to_dict() for tl in tls],
         lines=[],
+        taus=[{"step": e["step"], "tau": e["tau"], "acc": e.get("acc")} for e in tau_series(data.events)],
     )
     s.lines = _lines(s, findings_total=len(findings), actions_total=sum(actions.values()), tls=tls)
     return s
@@ -304,6 +307,13 @@ def _lines(
             f"final loss {_fmt(s.loss, '.4f')}, acc {_fmt(s.acc, '.3f')}, streak {_fmt(s.streak, '.2f')}",
             f"throughput mean {fmt_tok(s.tok_s_mean)}, last {fmt_tok(s.tok_s_last)}",
         ]
+    if s.taus:
+        first, last = s.taus[0], s.taus[-1]
+        trend = f" (first {first['tau']:.2f} at step {first['step']})" if len(s.taus) > 1 else ""
+        lines.append(
+            f"tau {last['tau']:.2f} tokens per target verification at step {last['step']}{trend}: "
+            f"{len(s.taus)} measurement(s) under speculative decoding"
+        )
     if s.restarts or s.target_restarts:
         gen = "" if s.generation is None else f" (last generation {s.generation})"
         tgt = f", {s.target_restarts} target restart(s)" if s.target_restarts else ""
@@ -388,6 +398,19 @@ def _metric_panel(ax: Axes, data: RunData, key: str, title: str, x: Any, scale: 
         return
     t, y = _gapped([p[0] for p in pts], [None if v is None else v / scale for _, v in pts])
     ax.plot(x(t), y, lw=1.2, color="tab:green")
+
+
+def _tau_overlay(ax: Axes, data: RunData, x: Any) -> None:
+    """tau (the job's `tau` events) beside the teacher-forced accuracy, on its own axis."""
+    taus = tau_series(data.events)
+    if not taus:
+        return
+    ax.set_title("accuracy (top-1, green) and tau (purple, right axis)", fontsize=10, loc="left")
+    twin = ax.twinx()
+    twin.plot(x([float(e["t"]) for e in taus]), [float(e["tau"]) for e in taus], "o-", lw=1.2,
+              color="tab:purple", gid="tau")  # fmt: skip
+    twin.set_ylabel("tau (tokens per verification)", fontsize=8)
+    twin.tick_params(labelsize=8)
 
 
 def _queue_panel(
@@ -529,6 +552,7 @@ def make_figure(data: RunData, summary: ReportSummary) -> Figure:
     _metric_panel(axes[0][0], data, "tok_s", "tokens/s (thousands)", x, scale=1000.0)
     _metric_panel(axes[0][1], data, "loss", "loss", x)
     _metric_panel(axes[1][0], data, "acc", "accuracy (top-1)", x)
+    _tau_overlay(axes[1][0], data, x)
     _metric_panel(axes[1][1], data, "streak", "streak (expected accepted length)", x)
     _queue_panel(
         axes[2][0],

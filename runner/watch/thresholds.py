@@ -55,6 +55,13 @@ class Thresholds:
     """XID events are reported for this long after they happened."""
     sampler_silent_s: float = 10.0
     """No line from the sampler for this long: the host, the ssh link or the sampler is stuck."""
+    tau_drop_frac: float = 0.1
+    """tau below its best measurement so far by this share, while acc holds or rises: the "high
+    accuracy, no acceptance" failure (the job's `tau` events, train.tau_eval)."""
+    tau_stall_measurements: int = 4
+    """This many tau measurements in a row without a gain of tau_stall_gain over the first of them."""
+    tau_stall_gain: float = 0.02
+    """The stall's gain, in tokens per verification."""
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any] | None, *, where: str = "[watch]") -> Thresholds:

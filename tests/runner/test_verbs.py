@@ -143,14 +143,18 @@ def test_ps_shows_failed_for_a_job_that_exited_non_zero(tmp_path: Path) -> None:
         tmp_path,
         "good",
         {"t": t, "event": "launched"},
+        {"t": t + 0.5, "event": "tau", "step": 200, "tau": 1.42},
+        {"t": t + 0.6, "event": "tau", "step": 300, "tau": 1.87},
         {"t": t + 1, "event": "stopped", "reason": "completed"},
     )
     _register(cli, ok)
     rows = {r["name"]: r for r in cli.ps()}
+    assert rows["good"]["tau"] == 1.87 and rows["bad"]["tau"] is None, "ps shows the newest tau"
     assert rows["bad"]["state"] == "failed" and rows["bad"]["reason"] == "drafter group failed: exit code 1"
     assert rows["good"]["state"] == "stopped"
     table = cli("ps", "--all").stdout
     assert any("bad" in line and "failed" in line for line in table.splitlines()), table
+    assert any("good" in line and "1.87" in line for line in table.splitlines()), table
     assert json.loads(cli("ps", "--json").stdout) == [], "without --all, only running and starting runs"
 
 

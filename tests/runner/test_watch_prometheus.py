@@ -259,3 +259,16 @@ def test_parse_bind(text: str, want: tuple[str, int]) -> None:
 def test_parse_bind_refuses(text: str, why: str) -> None:
     with pytest.raises(RunnerError, match=why):
         parse_bind(text)
+
+
+def test_the_newest_tau_is_a_gauge(exporter: PrometheusExporter) -> None:
+    s = healthy_sample(T0)
+    s["events"] = [
+        {"t": T0 - 20, "event": "tau", "step": 200, "tau": 1.4, "acc": 0.2},
+        {"t": T0 - 10, "event": "tau", "step": 400, "tau": 1.75, "acc": 0.25},
+    ]
+    snap = History().ingest(s)
+    exporter.update(snap, detect([snap], Thresholds()))
+    m = scrape(exporter.url)
+    assert value(m, "dflash_drafter_tau") == 1.75 and value(m, "dflash_drafter_tau_step") == 400
+    assert value(m, "dflash_watch_finding", severity="info", kind="tau", subject="drafter") == 1.0

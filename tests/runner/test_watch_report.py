@@ -467,3 +467,24 @@ def test_each_start_is_a_row_of_phase_bars_in_the_figure_the_text_and_json(tmp_p
     assert [p["phase"] for p in d[2]["phases"]] == [n for n, _ in again]
     r = invoke(str(run), "--json", "--out", str(tmp_path / "r.png"))
     assert r.exit_code == 0 and json.loads(r.output)["starts"] == d
+
+
+def test_tau_is_drawn_beside_acc_and_summarized(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run")
+    with open(run / "events.jsonl", "a") as f:
+        f.write("\n")  # make_run leaves a torn last line (a job killed mid-write); the job's next event starts anew
+    for step, tau in ((200, 1.3), (400, 1.6), (600, 1.9)):
+        append_jsonl(
+            run / "events.jsonl", {"t": T0 + step, "event": "tau", "step": step, "tau": tau, "acc": 0.3}
+        )
+    data = load_run(run)
+    s = summarize(data, tmp_path / "x.png")
+    assert [t["tau"] for t in s.taus] == [1.3, 1.6, 1.9]
+    assert any(line.startswith("tau 1.90 tokens per target verification at step 600 (first 1.30 at step 200)")
+               for line in s.lines), s.lines  # fmt: skip
+    fig = make_figure(data, s)
+    p = panels(fig)
+    ax = p["accuracy (top-1, green) and tau (purple, right axis)"]
+    twins = [a for a in fig.axes if a is not ax and a.bbox.bounds == ax.bbox.bounds]
+    (line,) = [ln for a in twins for ln in a.get_lines() if ln.get_gid() == "tau"]
+    assert list(line.get_ydata()) == [1.3, 1.6, 1.9]
