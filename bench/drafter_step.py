@@ -374,6 +374,7 @@ def time_state_copies(
         copies0 = copier.copies
         dt, _ = timed_steps(steps, args.steps, cuda)
         copies = copier.copies - copies0
+        file_gb, pinned = copier.file_bytes / 1e9, copier.pinned  # before close() unmaps the file
         copier.close()
         return {
             "every": args.state_copy_every,
@@ -381,8 +382,8 @@ def time_state_copies(
             "plain_step_ms": plain_s * 1000,
             "cost": dt / plain_s - 1,
             "copies_in_window": copies,
-            "copy_gb": copier.file_bytes / 1e9,
-            "pinned": copier.pinned,
+            "copy_gb": file_gb,
+            "pinned": pinned,
             "host_ms_per_copy": copier.host_seconds / max(copier.copies, 1) * 1000,
             "file_ready_s": ready_s,
             "committed": copier.committed(),
