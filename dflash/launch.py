@@ -856,7 +856,9 @@ class TauEval:
             keep = ("tau", "rounds", "histogram", "acceptance_per_position", "prompts", "tokens", "tokens_per_s",
                     "speedup", "prompts_from", "max_new", "drafter")  # fmt: skip
             acc = _metric_at(self.run.metrics, self.step, "acc")
-            self.run.event("tau", step=self.step, seconds=seconds, acc=acc, **{k: result.get(k) for k in keep})
+            self.run.event(
+                "tau", step=self.step, seconds=seconds, acc=acc, **{k: result.get(k) for k in keep}
+            )
         else:
             error = next(
                 (ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else ""

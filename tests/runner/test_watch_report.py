@@ -472,7 +472,9 @@ def test_each_start_is_a_row_of_phase_bars_in_the_figure_the_text_and_json(tmp_p
 def test_tau_is_drawn_beside_acc_and_summarized(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run")
     with open(run / "events.jsonl", "a") as f:
-        f.write("\n")  # make_run leaves a torn last line (a job killed mid-write); the job's next event starts anew
+        f.write(
+            "\n"
+        )  # make_run leaves a torn last line (a job killed mid-write); the job's next event starts anew
     for step, tau in ((200, 1.3), (400, 1.6), (600, 1.9)):
         append_jsonl(
             run / "events.jsonl", {"t": T0 + step, "event": "tau", "step": step, "tau": tau, "acc": 0.3}
