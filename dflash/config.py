@@ -314,6 +314,17 @@ class DataConfig:
     text/messages object, wrong types, not encodable; records skipped only for their length do not
     count). Judged after every 1024 lines once 1000 records are read, and at the end of the file.
     0 = any bad record stops the job; 1 = bad records are only skipped and counted."""
+    responses: bool = False
+    """Train on the target's own responses to data.path's prompts instead of its records' text
+    (dflash.responses: generated once, at the job's start or by `python -m dflash.responses`, and
+    kept as a content-addressed dataset under <cache_dir or runs_root>/.responses)."""
+    response_max_new: Annotated[int, AtLeast1] = 64
+    """New tokens per response (fewer where the target stops with its eos token)."""
+    response_temperature: Annotated[float, AtLeast0] = 0.0
+    """0 = greedy responses; above 0, sampled at this temperature (seeded by run.seed)."""
+    response_prompt_tokens: Annotated[int, AtLeast1] = 32
+    """Of a `text` record, the first this many tokens are the prompt (a `messages` record's prompt
+    is its turns before the last assistant turn)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

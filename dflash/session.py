@@ -174,13 +174,20 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
     from dflash.data import load_dataset
 
     target_path, tok, mask_id = resolve_target(cfg)
-    data_cfg = dataclasses.replace(cfg.data, path=resolve_data_path(cfg))
     cache_root = Path(cfg.data.cache_dir or Path(cfg.run.runs_root) / ".tokcache")
     log_path = run.logs / "data.log"
 
     def log(msg: str) -> None:
         with open(log_path, "a") as f:
             f.write(msg + "\n")
+
+    data_path = resolve_data_path(cfg)
+    if cfg.data.responses:
+        from dflash.responses import ensure
+
+        device = "cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu"
+        data_path = str(ensure(cfg, data_path, target_path, tok, device=device, log=log))
+    data_cfg = dataclasses.replace(cfg.data, path=data_path)
 
     ds = load_dataset(data_cfg, tok, cache_root, log)
     return DataParts(tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path)

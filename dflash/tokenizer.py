@@ -34,7 +34,13 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
     def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]: ...
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]: ...
     def identity(self) -> str: ...
+
+
+def _prompt_turns(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The turns of a prompt (no assistant reply yet), checked as a training record's are."""
+    return _check_messages([*messages, {"role": "assistant", "content": "-"}])[:-1]
 
 
 def lone_surrogate(text: str) -> tuple[int, int] | None:
@@ -115,6 +121,14 @@ class ByteTokenizer:
             train = role == "assistant"
             mask += [False] * len(head) + [train] * len(body) + [False] * len(tail)
         return ids, mask
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The turns, then the assistant's turn opened: what a served model is given to answer."""
+        ids: list[int] = []
+        for role, content in _prompt_turns(messages):
+            ids += [self.im_start_id, *self.encode(f"{role}\n"), *self.encode(content)]
+            ids += [self.im_end_id, *self.encode("\n")]
+        return [*ids, self.im_start_id, *self.encode("assistant\n")]
 
     def identity(self) -> str:
         return f"byte-v1:{ENCODING_VERSION}"
@@ -209,6 +223,17 @@ class HFTokenizer:
             if span_i < len(spans) and end > start and start < spans[span_i][1] and end > spans[span_i][0]:
                 mask[t] = True
         return ids, mask
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The turns through the chat template with its generation prompt: what a served model is given."""
+        turns = _prompt_turns(messages)
+        if not self.hf.chat_template:
+            raise DFlashError(
+                f"the tokenizer in {self.path} has no chat template to render `messages` prompts with"
+            )
+        plain = [{"role": r, "content": c} for r, c in turns]
+        rendered = self.hf.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return list(self.hf(str(rendered), add_special_tokens=False)["input_ids"])
 
     def identity(self) -> str:
         digest = hashlib.sha256()

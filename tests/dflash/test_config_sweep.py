@@ -44,6 +44,7 @@ ALLOWED: dict[str, set[float]] = {
     "pipeline.max_restarts": {0},  # no drafter-group restarts
     "pipeline.slot_mb": {0},  # derived from the batch shape
     "pipeline.state_copy_every": {0},  # no state copies: a death rolls back to the checkpoint
+    "data.response_temperature": {0},  # greedy responses
 }
 """Values accepted for their documented meaning (each field's docstring in dflash/config.py)."""
 

@@ -1,0 +1,86 @@
+"""The target's own responses as training data (dflash.responses), on the CPU with the demo's tiny
+target loaded through transformers: generated once into content-addressed shards, resumed where it
+stopped, another setting another dataset, a damaged shard refused in one line, and the job
+training on them with data.responses = true."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from jobs import PIPELINE_SETS, start_job
+from shared_inputs import seed_runs_root
+
+from dflash.config import load_config
+from dflash.demo import demo_records
+from dflash.errors import DFlashError
+from dflash.responses import SHARDS, dataset_dir, ensure
+from dflash.session import resolve_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    root = seed_runs_root(tmp_path / "runs")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in demo_records(70, seed=5)))
+    sets = [f"run.runs_root={root}", f"data.path={data}", "data.response_max_new=6"]
+    cfg = load_config(str(REPO / "configs" / "demo-cpu.toml"), sets)
+    target, tok, _ = resolve_target(cfg)
+    return cfg, data, target, tok, sets
+
+
+def test_responses_are_generated_once_into_shards_and_resume(setup) -> None:
+    cfg, data, target, tok, _ = setup
+    out = ensure(cfg, str(data), target, tok, batch=8, log=lambda m: None)
+    lines = out.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 70
+    src = [json.loads(line) for line in data.read_text().splitlines()]
+    for have, was in zip(records, src, strict=True):
+        if "messages" in was:
+            assert [m["role"] for m in have["messages"]] == [m["role"] for m in was["messages"]]
+            assert have["messages"][:-1] == was["messages"][:-1]  # the prompt turns as they were
+        else:
+            prompt = tok.decode(tok.encode(was["text"])[: cfg.data.response_prompt_tokens])
+            assert have["text"].startswith(prompt) and have["text"] != was["text"]
+    directory = out.parent
+    done = json.loads((directory / SHARDS).read_text())
+    assert sorted(done) == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    # Interrupted after the first shard: only the second is generated again, to the same bytes.
+    first = directory / "shard-00000.jsonl"
+    stamp = first.stat().st_mtime_ns
+    (directory / "shard-00001.jsonl").unlink()
+    del done["shard-00001.jsonl"]
+    (directory / SHARDS).write_text(json.dumps(done))
+    os.utime(directory / SHARDS)
+    again = ensure(cfg, str(data), target, tok, batch=8, log=lambda m: None)
+    assert again.read_text().splitlines() == lines and first.stat().st_mtime_ns == stamp
+
+
+def test_another_setting_is_another_dataset_and_a_damaged_shard_is_refused(setup) -> None:
+    cfg, data, target, tok, sets = setup
+    out = ensure(cfg, str(data), target, tok, batch=16, log=lambda m: None)
+    other = load_config(str(REPO / "configs" / "demo-cpu.toml"), [*sets, "data.response_temperature=0.7"])
+    assert dataset_dir(other, str(data), target)[0] != out.parent
+    shard = out.parent / "shard-00000.jsonl"
+    shard.write_text(shard.read_text().replace("a", "b", 1))
+    with pytest.raises(DFlashError) as e:
+        ensure(cfg, str(data), target, tok, log=lambda m: None)
+    assert "shard-00000.jsonl is damaged" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_job_trains_on_its_targets_responses(repo, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    sets = [*PIPELINE_SETS, "--set", "train.total_steps=3", "--set", "data.responses=true"]
+    sets += ["--set", "data.response_max_new=24"]
+    proc = start_job("dflash.train", repo, tmp_path, run_dir, *sets)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    made = list((tmp_path / ".responses").glob("*/responses.jsonl"))
+    assert len(made) == 1 and len(made[0].read_text().splitlines()) > 1000  # the demo corpus's 2000 prompts
+    data_log = (run_dir / "logs" / "data.log").read_text()
+    assert "[responses]" in data_log
