@@ -49,15 +49,13 @@ def send(conn: socket.socket, message: dict[str, Any]) -> None:
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
-def receive(conn: socket.socket) -> dict[str, Any] | None:
-    """One newline-ended JSON message; None when the other end closed first."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    message = json.loads(data)
+def receive(stream: Any) -> dict[str, Any] | None:
+    """One newline-ended JSON message from a socket's binary file (socket.makefile("rb"): messages
+    that arrive together stay apart); None when the other end closed first."""
+    line = stream.readline()
+    if not line.endswith(b"\n"):
+        return None
+    message = json.loads(line)
     return message if isinstance(message, dict) else None
 
 
@@ -76,8 +74,9 @@ def hand_to_spare(path: Path, argv: list[str]) -> int | None:
     conn.settimeout(HANDOVER_TIMEOUT_S)
     try:
         conn.connect(str(path))
+        stream = conn.makefile("rb")
         send(conn, {"argv": argv, "env": dict(os.environ), "pid": os.getpid(), "started": process_started()})
-        reply = receive(conn)
+        reply = receive(stream)
     except (OSError, ValueError) as e:
         print(
             f"dflash: the spare drafter at {path} did not take the rank ({e}): it starts on its own",
@@ -103,7 +102,7 @@ def hand_to_spare(path: Path, argv: list[str]) -> int | None:
     signal.signal(signal.SIGINT, forward)
     conn.settimeout(None)
     try:
-        end = receive(conn)
+        end = receive(stream)
     except (OSError, ValueError):
         end = None
     if end is None or "exit" not in end:

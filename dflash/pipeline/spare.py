@@ -172,7 +172,7 @@ def serve(
                 continue
             conn.settimeout(5.0)
             try:
-                request = receive(conn)
+                request = receive(conn.makefile("rb"))
             except (OSError, ValueError):
                 conn.close()
                 continue
