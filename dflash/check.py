@@ -344,11 +344,11 @@ def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int
 
 
 def _spare(cfg: JobConfig, sizes: TargetSizes, report: Report) -> dict[str, Any] | None:
-    """The spare drafters' mode and cost on this host, as the launcher decides them before any worker
-    (dflash.placement.spare_plan); a mode asked for that does not fit is an error naming the key."""
+    """The spare drafters' mode and cost on this host, decided as the launcher decides them before
+    any worker (dflash.launch.plan_spares); a mode asked for that does not fit is an error naming
+    the key."""
+    from dflash.launch import plan_spares
     from dflash.pipeline import worker_devices
-    from dflash.pipeline.state_copy import host_room
-    from dflash.placement import cuda_index, host_devices, spare_host_bytes, spare_plan
     from dflash.session import torch_dtype
 
     spec = _drafter_spec(cfg, sizes, report, "pipeline.spare_drafters", "the spare drafters")
@@ -356,15 +356,7 @@ def _spare(cfg: JobConfig, sizes: TargetSizes, report: Report) -> dict[str, Any]
         return None
     try:
         devices = worker_devices(cfg)
-        uses_cuda = any(cuda_index(d) is not None for d in devices[1])
-        plan = spare_plan(
-            cfg,
-            *devices,
-            host_bytes=spare_host_bytes(spec, torch_dtype(cfg.target.dtype).itemsize),
-            mem_available=host_room()[1],
-            totals=host_devices()[1] if uses_cuda else {},
-            record=None,  # the restored artifact's record is the launcher's to read
-        )
+        plan = plan_spares(cfg, devices, spec, torch_dtype(cfg.target.dtype).itemsize, cfg.target.path)
     except ConfigError as e:
         report.config_error(e)
         return None
