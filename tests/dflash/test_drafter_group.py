@@ -49,6 +49,12 @@ def _rank(rank: int, port: int, out: multiprocessing.Queue) -> None:
     r = group_result(g, RESULTS[rank])
     e = group_result(g, EMPTY_ON_0[rank])
     out.put((rank, r.tokens, r.loss, r.acc, r.acc_per_pos, e.tokens, e.loss, e.acc))
+    # Leave the group together, as the worker does: a rank that exits with gloo's threads still
+    # connected (or rank 0 taking the store down under the other) aborts at interpreter exit.
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_group_result_sums_tokens_and_averages_metrics_over_ranks() -> None:
