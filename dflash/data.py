@@ -1,7 +1,9 @@
 """Training data: JSONL records -> token ids + loss masks (cached on disk) -> token-budget batches.
 
-Records are `{"text": str}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}` (loss on
-assistant content only). A record that fails anywhere on its way to token ids (not UTF-8, not JSON,
+Records are `{"text": str}` (loss on every token), `{"messages": [{"role", "content"}, ...]}` (loss on
+assistant content only) or `{"input_ids": [int, ...], "loss_mask": [0|1, ...]}` (token ids as they are,
+loss where the mask is 1; dflash.responses writes these: the exact tokens the target said, which a
+decode and re-encode would not always give back). A record that fails anywhere on its way to token ids (not UTF-8, not JSON,
 an integer past Python's digit limit, nesting past the recursion limit, wrong types, text the
 tokenizer rejects such as a lone surrogate) is skipped, counted by reason and logged with file:line;
 records skipped for their length only are counted too. A file of mostly bad records stops the job
@@ -86,8 +88,20 @@ class _TooShort(RecordError):
     """A well-formed record that the length settings leave nothing of: skipped, but not bad."""
 
 
-def _parse_record(raw: bytes) -> str | list[Any]:
-    """A record's `text` string or its `messages` list; RecordError names what is wrong."""
+def _token_record(rec: dict[str, Any]) -> tuple[list[int], list[bool]]:
+    ids, mask = rec["input_ids"], rec.get("loss_mask")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise RecordError("`input_ids` is not a list of non-negative integers")
+    if mask is None:
+        return ids, [True] * len(ids)
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+        raise RecordError("`loss_mask` is not a list of 0 and 1 as long as `input_ids`")
+    return ids, [bool(m) for m in mask]
+
+
+def _parse_record(raw: bytes) -> str | list[Any] | tuple[list[int], list[bool]]:
+    """A record's `text` string, its `messages` list or its (input_ids, loss mask); RecordError names
+    what is wrong."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -102,6 +116,8 @@ def _parse_record(raw: bytes) -> str | list[Any]:
         raise RecordError(f"bad JSON ({str(e).split(':')[0]})") from e
     if not isinstance(rec, dict):
         raise RecordError("not a JSON object")
+    if "input_ids" in rec:
+        return _token_record(rec)
     if "text" in rec:
         if not isinstance(rec["text"], str):
             raise RecordError("`text` is not a string")
@@ -115,7 +131,7 @@ def _parse_record(raw: bytes) -> str | list[Any]:
         if not isinstance(rec["messages"], list):
             raise RecordError("`messages` is not a list")
         return rec["messages"]
-    raise RecordError("has neither `text` nor `messages`")
+    raise RecordError("has no `text`, `messages` or `input_ids`")
 
 
 def _reason_key(message: str) -> str:
@@ -168,7 +184,7 @@ def _encode_chunk(
     chunk: list[tuple[int, bytes]], tok: Tokenizer
 ) -> list[tuple[int, tuple[list[int], list[bool]] | RecordError]]:
     """Encode a chunk of lines in order; plain texts go through the tokenizer in one batch call."""
-    parsed: list[tuple[int, str | list[Any] | RecordError]] = []
+    parsed: list[tuple[int, str | list[Any] | tuple[list[int], list[bool]] | RecordError]] = []
     for line_no, raw in chunk:
         try:
             parsed.append((line_no, _one_record(_parse_record, raw)))
@@ -179,6 +195,12 @@ def _encode_chunk(
     for line_no, p in parsed:
         if isinstance(p, RecordError):
             out.append((line_no, p))
+        elif isinstance(p, tuple):
+            top = max(p[0], default=0)
+            fits = top < tok.vocab_size
+            out.append((line_no, p if fits else RecordError(
+                f"`input_ids` has a token past the tokenizer's vocabulary ({top} >= {tok.vocab_size})"
+            )))  # fmt: skip
         elif isinstance(p, str):
             ids = next(text_ids)
             out.append((line_no, ids if isinstance(ids, RecordError) else (ids, [True] * len(ids))))
@@ -201,6 +223,41 @@ def _checked(ids: list[int], mask: list[bool], cfg: DataConfig) -> tuple[list[in
     return ids, mask, cut
 
 
+def _skip(
+    e: RecordError, path: Path, line_no: int, skipped: Counter[str], log: Callable[[str], None]
+) -> bool:
+    """Count (and log, the first ones of each reason) a skipped record; True when it is a bad one."""
+    reason = _reason_key(str(e))
+    skipped[reason] += 1
+    if skipped[reason] <= _LOGGED_PER_REASON:
+        log(f"data: skipped {path}:{line_no}: {e}")
+    elif skipped[reason] == _LOGGED_PER_REASON + 1:
+        log(f"data: more records skipped for '{reason}'; only counting them from here")
+    return not isinstance(e, _TooShort)
+
+
+def source_records(path: Path, cfg: DataConfig, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The records of a data file that parse, in order: what dflash.responses takes its prompts
+    from. The others are skipped, logged and counted as training's reader does, and a file of mostly
+    bad records is refused alike (data.max_bad_fraction)."""
+    if not path.is_file():
+        raise _unreadable(path)
+    out: list[dict[str, Any]] = []
+    skipped: Counter[str] = Counter()
+    records = bad = 0
+    for chunk in _numbered_chunks(path, _CHUNK_LINES):
+        for line_no, raw in chunk:
+            records += 1
+            try:
+                _one_record(_parse_record, raw)
+            except RecordError as e:
+                bad += _skip(e, path, line_no, skipped, log)
+                continue
+            out.append(json.loads(raw))
+    _judge(path, cfg, records, bad, skipped, log, whole_file=True)
+    return out
+
+
 def _tokenize_file(
     path: Path, cfg: DataConfig, tok: Tokenizer, log: Callable[[str], None]
 ) -> TokenizedDataset:
@@ -217,13 +274,7 @@ def _tokenize_file(
                     raise result
                 ids, mask, cut = _checked(*result, cfg)
             except RecordError as e:
-                reason = _reason_key(str(e))
-                skipped[reason] += 1
-                bad += not isinstance(e, _TooShort)
-                if skipped[reason] <= _LOGGED_PER_REASON:
-                    log(f"data: skipped {path}:{line_no}: {e}")
-                elif skipped[reason] == _LOGGED_PER_REASON + 1:
-                    log(f"data: more records skipped for '{reason}'; only counting them from here")
+                bad += _skip(e, path, line_no, skipped, log)
                 continue
             truncated += cut
             tokens.append(np.asarray(ids, dtype=np.int32))
@@ -340,9 +391,7 @@ def load_dataset(
     else:
         path = Path(cfg.path)
     if not path.is_file():
-        raise DFlashError(
-            f"data.path {path} is not a readable file; pass a JSONL file of text/messages records, or `demo`"
-        )
+        raise _unreadable(path)
     try:
         key = cache_key(path, cfg, tok)
     except OSError as e:
@@ -374,6 +423,12 @@ def load_dataset(
         f"to {cfg.max_seq_len}, {ds.bad} bad, skipped: {skipped}"
     )
     return ds
+
+
+def _unreadable(path: Path) -> DFlashError:
+    return DFlashError(
+        f"data.path {path} is not a readable file; pass a JSONL file of text/messages records, or `demo`"
+    )
 
 
 def _cache_error(cache_root: Path, e: OSError) -> DFlashError:

@@ -28,6 +28,7 @@ from typing import Any
 
 from dflash.errors import ConfigError, DFlashError
 from dflash.exiting import without_final_gc
+from dflash.tokenizer import record_prompt
 
 DEMO_HELDOUT_SEED = 104_729
 """The demo corpus is demo_records(2000, seed 0); the held-out prompts come from this other seed."""
@@ -167,20 +168,7 @@ def read_prompts(path: str, tok: Any, *, prompt_tokens: int, limit: int, seed: i
                 raise DFlashError(f"--prompts {path}:{n}: not JSON ({e}); one record per line") from None
     out = []
     for rec in records:
-        ids: list[int] = []
-        if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-            msgs = rec["messages"]
-            last = max(
-                (i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
-                default=None,
-            )
-            if last is None:
-                continue
-            full, mask = tok.encode_chat(msgs[: last + 1])
-            first = next((i for i, m in enumerate(mask) if m), None)
-            ids = full[:first] if first else []
-        elif isinstance(rec, dict) and isinstance(rec.get("text"), str):
-            ids = tok.encode(rec["text"])[:prompt_tokens]
+        ids = record_prompt(rec, tok, prompt_tokens)
         if ids:
             out.append(ids)
         if len(out) >= limit:
@@ -192,7 +180,23 @@ def read_prompts(path: str, tok: Any, *, prompt_tokens: int, limit: int, seed: i
     return out
 
 
+def run_defaults(args: argparse.Namespace, src: Source) -> None:
+    """The settings not given: for a run's drafter, those its job measures tau with (train.tau_*),
+    so `python -m dflash.eval CHECKPOINT` repeats the job's `tau` event; else 32 prompts x 64."""
+    t = src.cfg.train if src.cfg is not None else None
+    if args.limit is None:
+        args.limit = t.tau_prompt_count if t else 32
+    if args.max_new is None:
+        args.max_new = t.tau_max_new if t else 64
+    if args.prompt_tokens is None:
+        args.prompt_tokens = src.cfg.data.response_prompt_tokens if src.cfg is not None else 32
+    if args.prompts is None:
+        args.prompts = default_prompts(src)
+
+
 def default_prompts(src: Source) -> str:
+    if src.cfg is not None and src.cfg.train.tau_prompts:
+        return str(src.cfg.train.tau_prompts)
     if src.cfg is not None and src.cfg.data.path == "demo":
         return "demo"
     raise DFlashError(
@@ -218,8 +222,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     src = resolve_source(Path(args.source), args.target)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = load_tokenizer(src.tokenizer_kind, src.target_path)
+    run_defaults(args, src)
     prompts = read_prompts(
-        args.prompts or default_prompts(src),
+        args.prompts,
         tok,
         prompt_tokens=args.prompt_tokens,
         limit=args.limit,
@@ -250,7 +255,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "kind": src.kind,
         "drafter": str(src.drafter_dir),
         "target": src.target_path,
-        "prompts_from": args.prompts or default_prompts(src),
+        "prompts_from": args.prompts,
+        "limit": args.limit,
         "implementation": "plain" if args.plain else "cached",
         "temperature": args.temperature,
         "max_new": args.max_new,
@@ -284,12 +290,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.eval", description=__doc__.splitlines()[0])
     p.add_argument("source", help="a run directory, a checkpoints/step-<N> dir, or an exported drafter dir")
     p.add_argument(
-        "--prompts", help="JSONL prompts file, or `demo` (default for demo runs: held-out demo records)"
+        "--prompts",
+        help="JSONL prompts file, or `demo` (default: a run's train.tau_prompts; for demo runs held-out demo records)",
     )
     p.add_argument("--target", help="the target model directory (needed for an export; overrides a run's)")
-    p.add_argument("--max-new", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--limit", type=int, default=32, help="prompts at most (default 32)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of a text record used as its prompt")
+    p.add_argument(
+        "--max-new", type=int, help="new tokens per prompt (default: a run's train.tau_max_new, else 64)"
+    )
+    p.add_argument(
+        "--limit", type=int, help="prompts at most (default: a run's train.tau_prompt_count, else 32)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="tokens of a text record used as its prompt (default: a run's data.response_prompt_tokens, else 32)",
+    )
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy verification (default); > 0 samples"
     )
@@ -300,7 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     for name in ("max_new", "limit", "prompt_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")

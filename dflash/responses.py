@@ -15,9 +15,11 @@ rule and the sampling settings: a changed target, template or setting is another
 interrupted generation resumes at the first shard not recorded; a recorded shard whose bytes no
 longer match is refused with one line (delete it to make it again), never used.
 
-Records: a `messages` record becomes its turns up to the last assistant turn, that turn's content
-replaced by the target's response; a `text` record becomes its first `data.response_prompt_tokens`
-tokens (decoded) followed by the target's continuation.
+Prompts (dflash.tokenizer.record_prompt, the eval's rule too): a `messages` record's turns before
+its last assistant turn with the assistant's turn opened, or a `text` record's first
+`data.response_prompt_tokens` tokens. Each becomes an `input_ids` record: the prompt's ids and the
+response's (with the eos token where the target said it), loss on the response only, and both as
+text for reading.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.data import source_records
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.rundir import atomic_write_bytes, atomic_write_json
+from dflash.rundir import atomic_write_bytes, atomic_write_json, unusable_reason
+from dflash.tokenizer import record_prompt
 
-FORMAT = 1
+FORMAT = 2  # 2: token id records, the eos kept
 SHARD_RECORDS = 64
 SHARDS = "shards.json"
 MANIFEST = "manifest.json"
@@ -87,35 +91,6 @@ def dataset_dir(cfg: JobConfig, data_path: str, target_path: str) -> tuple[Path,
     return root / key, manifest
 
 
-def _prompt(rec: Any, tok: Any, prompt_tokens: int) -> tuple[str, Any] | None:
-    """(kind, prompt): `messages` and the turns before the last assistant turn, or `text` and the
-    first prompt_tokens token ids; None for a record without a prompt."""
-    if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-        msgs = rec["messages"]
-        last = max(
-            (i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
-            default=None,
-        )
-        if last is None or last == 0:
-            return None
-        return "messages", msgs[:last]
-    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-        ids = tok.encode(rec["text"])[:prompt_tokens]
-        return ("text", ids) if ids else None
-    return None
-
-
-def _records(data_path: str) -> list[Any]:
-    out = []
-    for line in Path(data_path).read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # training's reader reports bad records; a bad one has no prompt here
-    return out
-
-
 def check_shards(directory: Path) -> dict[str, str]:
     """{shard name: sha256} of the complete shards; a recorded shard whose bytes differ is refused."""
     try:
@@ -149,11 +124,6 @@ class _Generator:
         self.device = device
         self.pad = tok.pad_token_id
 
-    def prompt_ids(self, kind: str, prompt: Any) -> list[int]:
-        if kind == "text":
-            return list(prompt)
-        return self.tok.encode_prompt(prompt)
-
     def respond(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """One batch, left-padded, through transformers' generate: the new token ids of each."""
         torch, d = self.torch, self.cfg.data
@@ -179,14 +149,20 @@ class _Generator:
             )
         new = out[:, width:].tolist()
         eos = self.tok.eos_token_id
-        return [row[: row.index(eos)] if eos in row else [t for t in row if t != self.pad] for row in new]
+        # Up to and with the eos the target said (it is part of what a drafter must predict); a row
+        # that stopped early is padded after it.
+        return [row[: row.index(eos) + 1] if eos in row else row for row in new]
 
 
-def _record(kind: str, prompt: Any, response: list[int], tok: Any) -> dict[str, Any]:
-    text = tok.decode(response)
-    if kind == "messages":
-        return {"messages": [*prompt, {"role": "assistant", "content": text}]}
-    return {"text": tok.decode(list(prompt)) + text}
+def _record(prompt: list[int], response: list[int], tok: Any) -> dict[str, Any]:
+    """The exact ids (a decode and re-encode would not give back every byte-level token), the loss
+    on the response only, and both as text for people reading the shard."""
+    return {
+        "input_ids": [*prompt, *response],
+        "loss_mask": [0] * len(prompt) + [1] * len(response),
+        "prompt": tok.decode(prompt),
+        "response": tok.decode(response),
+    }
 
 
 def ensure(cfg: JobConfig, data_path: str, target_path: str, tok: Any, *, batch: int = 16,
@@ -194,12 +170,16 @@ def ensure(cfg: JobConfig, data_path: str, target_path: str, tok: Any, *, batch:
     """The combined JSONL of the target's responses to data_path's prompts, generating the shards
     not made yet (resumable); returns its path."""
     directory, manifest = dataset_dir(cfg, data_path, target_path)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / MANIFEST).is_file():
+            atomic_write_json(directory / MANIFEST, manifest)
+    except OSError as e:
+        raise _write_error(directory, e) from None
     combined = directory / COMBINED
-    if not (directory / MANIFEST).is_file():
-        atomic_write_json(directory / MANIFEST, manifest)
     done = check_shards(directory)
-    prompts = [p for rec in _records(data_path) if (p := _prompt(rec, tok, cfg.data.response_prompt_tokens))]
+    records = source_records(Path(data_path), cfg.data, log)
+    prompts = [p for rec in records if (p := record_prompt(rec, tok, cfg.data.response_prompt_tokens))]
     if not prompts:
         raise DFlashError(
             f"data.path {data_path}: no record gives a prompt (text, or messages with an assistant turn)"
@@ -215,12 +195,8 @@ def ensure(cfg: JobConfig, data_path: str, target_path: str, tok: Any, *, batch:
             lines = []
             for j in range(0, len(chunk), batch):
                 part = chunk[j : j + batch]
-                ids = [gen.prompt_ids(k, p) for k, p in part]
-                responses = gen.respond(ids, seed=cfg.run.seed * 100_003 + i * SHARD_RECORDS + j)
-                lines += [
-                    json.dumps(_record(k, p, r, tok)) + "\n"
-                    for (k, p), r in zip(part, responses, strict=True)
-                ]
+                responses = gen.respond(part, seed=cfg.run.seed * 100_003 + i * SHARD_RECORDS + j)
+                lines += [json.dumps(_record(p, r, tok)) + "\n" for p, r in zip(part, responses, strict=True)]
                 made += len(part)
                 rate = made / max(time.time() - t0, 1e-9)
                 left = sum(len(prompts[x * SHARD_RECORDS : (x + 1) * SHARD_RECORDS]) for x in todo) - made
@@ -228,12 +204,26 @@ def ensure(cfg: JobConfig, data_path: str, target_path: str, tok: Any, *, batch:
                     f"[responses] {len(prompts) - left}/{len(prompts)} prompts, {rate:.1f}/s, ETA {left / rate:.0f} s"
                 )
             data = "".join(lines).encode()
-            atomic_write_bytes(directory / names[i], data)
-            done[names[i]] = hashlib.sha256(data).hexdigest()
-            atomic_write_json(directory / SHARDS, done)
+            try:
+                atomic_write_bytes(directory / names[i], data)
+                done[names[i]] = hashlib.sha256(data).hexdigest()
+                atomic_write_json(directory / SHARDS, done)
+            except OSError as e:
+                raise _write_error(directory, e) from None
     if not combined.is_file() or combined.stat().st_mtime < (directory / SHARDS).stat().st_mtime:
-        atomic_write_bytes(combined, b"".join((directory / n).read_bytes() for n in names))
+        try:
+            atomic_write_bytes(combined, b"".join((directory / n).read_bytes() for n in names))
+        except OSError as e:
+            raise _write_error(directory, e) from None
     return combined
+
+
+def _write_error(directory: Path, e: OSError) -> DFlashError:
+    return DFlashError(
+        f"responses dataset {directory}: cannot write there: {unusable_reason(directory, e)}; set "
+        "data.cache_dir (default: <run.runs_root>; the responses go in its .responses) to a directory this "
+        "user can write"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

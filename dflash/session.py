@@ -167,6 +167,18 @@ def resolve_target(cfg: JobConfig) -> tuple[str, Any, int]:
     return target_path, tok, require_mask_token(tok, cfg.drafter.mask_token_id)
 
 
+def training_data_path(cfg: JobConfig, target_path: str, tok: Any, log: Callable[[str], None]) -> str:
+    """The JSONL the job trains on: data.path's, or with data.responses its target's responses to
+    data.path's prompts (generated here where not made yet: dflash.responses)."""
+    data_path = resolve_data_path(cfg)
+    if cfg.data.responses:
+        from dflash.responses import ensure
+
+        device = "cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu"
+        data_path = str(ensure(cfg, data_path, target_path, tok, device=device, log=log))
+    return data_path
+
+
 def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
     """Tokenizer, mask token and dataset: every data error surfaces here, before any model loads."""
     import dataclasses
@@ -181,13 +193,7 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
         with open(log_path, "a") as f:
             f.write(msg + "\n")
 
-    data_path = resolve_data_path(cfg)
-    if cfg.data.responses:
-        from dflash.responses import ensure
-
-        device = "cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu"
-        data_path = str(ensure(cfg, data_path, target_path, tok, device=device, log=log))
-    data_cfg = dataclasses.replace(cfg.data, path=data_path)
+    data_cfg = dataclasses.replace(cfg.data, path=training_data_path(cfg, target_path, tok, log))
 
     ds = load_dataset(data_cfg, tok, cache_root, log)
     return DataParts(tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path)

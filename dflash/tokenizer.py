@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from dflash.errors import DFlashError
 
 # Bump when the way records become (ids, loss_mask) changes: it is part of the cache key.
-ENCODING_VERSION = "enc-v1"
+ENCODING_VERSION = "enc-v2"  # v2: `input_ids` records
 
 
 class RecordError(ValueError):
@@ -41,6 +41,27 @@ class Tokenizer(Protocol):
 def _prompt_turns(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The turns of a prompt (no assistant reply yet), checked as a training record's are."""
     return _check_messages([*messages, {"role": "assistant", "content": "-"}])[:-1]
+
+
+def record_prompt(rec: Any, tok: Tokenizer, prompt_tokens: int) -> list[int] | None:
+    """The prompt a record gives, as token ids, or None: a `messages` record's turns before its last
+    assistant turn with the assistant's turn opened (what a served model is given to answer), or a
+    `text` record's first prompt_tokens tokens. The one rule for the target's responses
+    (dflash.responses) and for the eval's prompts (dflash.eval), so both ask the target alike."""
+    if not isinstance(rec, dict):
+        return None
+    if isinstance(rec.get("messages"), list):
+        msgs = rec["messages"]
+        last = max(
+            (i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
+            default=None,
+        )
+        if not last:  # no assistant turn, or nothing before it
+            return None
+        return tok.encode_prompt(msgs[:last])
+    if isinstance(rec.get("text"), str):
+        return tok.encode(rec["text"])[:prompt_tokens] or None
+    return None
 
 
 def lone_surrogate(text: str) -> tuple[int, int] | None:

@@ -1,6 +1,7 @@
 """The read-only inputs every demo job prepares alike, made once per test session and copied into
 each job test's runs root before its job starts: the tiny random target that `target.path = "tiny"`
-builds there (dflash.demo.make_tiny_target), the demo corpus and its tokenized cache. The job then
+builds there (dflash.demo.make_tiny_target), the demo corpus, the target's responses to it that the
+demo trains on (dflash.responses) and their tokenized cache. The job then
 finds them complete, as a rerun on the same runs root does, and skips seconds of building and
 tokenizing on CI's two cores. Building them is tested where it is the subject: the tiny target in
 tests/dflash/test_target.py (concurrent builders included), the corpus and the cache in
@@ -25,20 +26,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DIR_ENV = "DFLASH_TEST_SHARED_INPUTS"
 DEMO = REPO / "configs" / "demo-cpu.toml"
-SEED_NAMES = (".tiny-target-l8-h64-s0", ".demo", ".tokcache")
-"""What the demo config (seed 0, 8 layers, hidden 64) prepares under its runs root."""
+SEED_NAMES = (".tiny-target-l8-h64-s0", ".demo", ".responses", ".tokcache")
+"""What the demo config (seed 0, 8 layers, hidden 64, data.responses) prepares under its runs root."""
 
 _BUILD = """
 import dataclasses, sys
 from pathlib import Path
 from dflash.config import load_config
 from dflash.data import load_dataset
-from dflash.session import resolve_data_path, resolve_target
+from dflash.session import resolve_target, training_data_path
 
 root = Path(sys.argv[1])
 cfg = load_config(sys.argv[2], [f"run.runs_root={root}"])
-_, tok, _ = resolve_target(cfg)
-data = dataclasses.replace(cfg.data, path=resolve_data_path(cfg))
+target, tok, _ = resolve_target(cfg)
+data = dataclasses.replace(cfg.data, path=training_data_path(cfg, target, tok, lambda _msg: None))
 load_dataset(data, tok, root / ".tokcache", lambda _msg: None)
 """
 

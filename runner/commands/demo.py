@@ -154,6 +154,11 @@ def register(app: typer.Typer) -> None:
             console.print("[bold]3. report[/]")
             for line in summary.lines:
                 console.print(f"   {line}", highlight=False)
+            if summary.taus and summary.taus[-1].get("drafter"):
+                console.print(
+                    f"   tau again: {sys.executable} -m dflash.eval {summary.taus[-1]['drafter']}",
+                    highlight=False,
+                )
             console.print(f"   report: {out}", highlight=False)
             console.print(f"   run directory: {hp.run_dir}   (dflashctl ps --all; dflashctl report {run_id})")
             recovered = any(

@@ -43,8 +43,12 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(help="JSONL prompts file on the run's host (default: its held-out prompts)."),
         ] = None,
-        max_new: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
-        limit: Annotated[int, typer.Option(help="Prompts at most.")] = 32,
+        max_new: Annotated[
+            int | None, typer.Option(help="New tokens per prompt (default: the run's train.tau_max_new).")
+        ] = None,
+        limit: Annotated[
+            int | None, typer.Option(help="Prompts at most (default: the run's train.tau_prompt_count).")
+        ] = None,
         temperature: Annotated[float, typer.Option(help="0 = greedy verification; > 0 samples.")] = 0.0,
         node: Annotated[int, typer.Option(help="Node rank whose run directory holds the checkpoints.")] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
@@ -56,7 +60,9 @@ def register(app: typer.Typer) -> None:
             rec = Registry().find(run)
             if prompts is not None and Path(prompts).is_file() and rec.hosts and rec.hosts[0].host is None:
                 prompts = str(Path(prompts).resolve())
-            args = ["--max-new", str(max_new), "--limit", str(limit), "--temperature", str(temperature)]
+            args = ["--temperature", str(temperature)]
+            args += [*(["--max-new", str(max_new)] if max_new is not None else [])]
+            args += [*(["--limit", str(limit)] if limit is not None else [])]
             args += [*(["--prompts", prompts] if prompts else []), *(["--json"] if as_json else [])]
             host, argv = eval_argv(rec, node, args)
             full = remote.remote_argv(host, argv)

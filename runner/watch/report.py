@@ -186,7 +186,8 @@ class ReportSummary:
     """Each start of a worker generation, phase by phase (runner.watch.timeline.StartTimeline)."""
     lines: list[str]
     taus: list[dict[str, Any]] = field(default_factory=list)
-    """The job's tau measurements ({step, tau, acc}), by step: acceptance under speculative decoding."""
+    """The job's tau measurements ({step, tau, acc, drafter}), by step: acceptance under speculative
+    decoding; `python -m dflash.eval DRAFTER` repeats one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -271,7 +272,10 @@ def summarize(data: RunData, png: Path) -> ReportSummary:
         gpus=len(data.gpus),
         starts=[tl.to_dict() for tl in tls],
         lines=[],
-        taus=[{"step": e["step"], "tau": e["tau"], "acc": e.get("acc")} for e in tau_series(data.events)],
+        taus=[
+            {"step": e["step"], "tau": e["tau"], "acc": e.get("acc"), "drafter": e.get("drafter")}
+            for e in tau_series(data.events)
+        ],
     )
     s.lines = _lines(s, findings_total=len(findings), actions_total=sum(actions.values()), tls=tls)
     return s
@@ -302,9 +306,13 @@ def _lines(
     if s.metrics_records == 0:
         lines.append(NO_METRICS)
     else:
+        held_out = (
+            f", tau {s.taus[-1]['tau']:.2f} on held-out prompts (step {s.taus[-1]['step']})" if s.taus else ""
+        )
         lines += [
             f"steps {s.steps if s.steps is not None else 'n/a'} ({s.metrics_records} metrics records)",
-            f"final loss {_fmt(s.loss, '.4f')}, acc {_fmt(s.acc, '.3f')}, streak {_fmt(s.streak, '.2f')}",
+            f"final loss {_fmt(s.loss, '.4f')}, acc {_fmt(s.acc, '.3f')}, streak {_fmt(s.streak, '.2f')}"
+            + held_out,
             f"throughput mean {fmt_tok(s.tok_s_mean)}, last {fmt_tok(s.tok_s_last)}",
         ]
     if s.taus:

@@ -60,7 +60,7 @@ def test_bad_records_are_skipped_counted_and_logged(tmp_path: Path) -> None:
     assert ds.skipped == {
         "bad JSON": 1,
         "not a JSON object": 1,
-        "has neither `text` nor `messages`": 1,
+        "has no `text`, `messages` or `input_ids`": 1,
         "`text` is not a string": 1,
         "too short": 1,
         "no non-empty assistant turn to train on": 1,
@@ -74,6 +74,36 @@ def test_bad_records_are_skipped_counted_and_logged(tmp_path: Path) -> None:
     toks, mask = ds[1]
     assert bytes(toks[mask].tolist()).decode() == "2 + 2 = 4."
     assert not mask[:5].any()
+
+
+def test_token_id_records_are_trained_as_they_are(tmp_path: Path) -> None:
+    """`input_ids` records (what dflash.responses writes) keep their exact ids and loss mask; ids a
+    decode and re-encode would change, a mask of the wrong length or an id past the vocabulary are
+    that record's problem, skipped and counted."""
+    tok = ByteTokenizer()
+    ids = [tok.im_start_id, 0xE2, 0x82, 0xFF, *range(97, 117)]  # 0xFF alone is no UTF-8 text
+    mask = [0, 0, 0, 1, *([1] * 20)]
+    path = _write(
+        tmp_path / "ids.jsonl",
+        [
+            json.dumps({"input_ids": ids, "loss_mask": mask, "prompt": "ignored by the loader"}),
+            json.dumps({"input_ids": ids}),  # no mask: loss on every token
+            json.dumps({"input_ids": ids, "loss_mask": mask[:-1]}),
+            json.dumps({"input_ids": [*ids, tok.vocab_size]}),
+            json.dumps({"input_ids": [1.5, *ids]}),
+        ],
+    )
+    logs: list[str] = []
+    ds = load_dataset(_cfg(path, max_bad_fraction=0.9), tok, tmp_path / "cache", logs.append)
+    assert len(ds) == 2 and ds.bad == 3
+    got, got_mask = ds[0]
+    assert got.tolist() == ids and got_mask.tolist() == [bool(m) for m in mask]
+    assert ds[1][1].all()
+    assert ds.skipped == {
+        "`loss_mask` is not a list of 0 and 1 as long as `input_ids`": 1,
+        "`input_ids` has a token past the tokenizer's vocabulary": 1,
+        "`input_ids` is not a list of non-negative integers": 1,
+    }, ds.skipped
 
 
 def test_empty_or_missing_dataset_is_an_error(tmp_path: Path) -> None:

@@ -91,6 +91,9 @@ def test_unusable_runs_root_and_cache_dir_are_named(tmp_path):
     out = _run(
         "dflash.train", "--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={a_file}", runs=tmp_path
     )
+    _refused(out, "responses dataset", f"{a_file} is a file", "set data.cache_dir")
+    out = _run("dflash.train", "--run-dir", str(tmp_path / "r2"), "--set", f"data.cache_dir={a_file}",
+               "--set", "data.responses=false", runs=tmp_path)  # fmt: skip
     _refused(out, "tokenized-data cache", f"{a_file} is a file", "set data.cache_dir")
 
 

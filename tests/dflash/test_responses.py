@@ -10,14 +10,18 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from jobs import PIPELINE_SETS, start_job
 from shared_inputs import seed_runs_root
+from transformers import AutoModelForCausalLM
 
 from dflash.config import load_config
 from dflash.demo import demo_records
 from dflash.errors import DFlashError
 from dflash.responses import SHARDS, dataset_dir, ensure
 from dflash.session import resolve_target
+from dflash.specdec import Target, greedy
+from dflash.tokenizer import record_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,13 +44,18 @@ def test_responses_are_generated_once_into_shards_and_resume(setup) -> None:
     records = [json.loads(line) for line in lines]
     assert len(records) == 70
     src = [json.loads(line) for line in data.read_text().splitlines()]
-    for have, was in zip(records, src, strict=True):
-        if "messages" in was:
-            assert [m["role"] for m in have["messages"]] == [m["role"] for m in was["messages"]]
-            assert have["messages"][:-1] == was["messages"][:-1]  # the prompt turns as they were
-        else:
-            prompt = tok.decode(tok.encode(was["text"])[: cfg.data.response_prompt_tokens])
-            assert have["text"].startswith(prompt) and have["text"] != was["text"]
+    prompts = [record_prompt(r, tok, cfg.data.response_prompt_tokens) for r in src]
+    for have, prompt in zip(records, prompts, strict=True):
+        assert prompt and have["input_ids"][: len(prompt)] == prompt  # the eval's prompt rule
+        n = len(have["input_ids"]) - len(prompt)
+        assert have["loss_mask"] == [0] * len(prompt) + [1] * n and 1 <= n <= 6
+        assert have["response"] == tok.decode(have["input_ids"][len(prompt) :])
+    # The ids are the target's greedy continuation, as its plain cached loop (dflash.specdec) says it.
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True)
+    plain = Target(model, [0])
+    for have, prompt in list(zip(records, prompts, strict=True))[:6]:
+        said = greedy(plain, prompt, max_new=6, eos=tok.eos_token_id).tokens
+        assert have["input_ids"][len(prompt) :] == said
     directory = out.parent
     done = json.loads((directory / SHARDS).read_text())
     assert sorted(done) == ["shard-00000.jsonl", "shard-00001.jsonl"]
@@ -67,20 +76,30 @@ def test_another_setting_is_another_dataset_and_a_damaged_shard_is_refused(setup
     other = load_config(str(REPO / "configs" / "demo-cpu.toml"), [*sets, "data.response_temperature=0.7"])
     assert dataset_dir(other, str(data), target)[0] != out.parent
     shard = out.parent / "shard-00000.jsonl"
-    shard.write_text(shard.read_text().replace("a", "b", 1))
+    shard.write_text(shard.read_text().replace('"response": "', '"response": "x', 1))
     with pytest.raises(DFlashError) as e:
         ensure(cfg, str(data), target, tok, log=lambda m: None)
     assert "shard-00000.jsonl is damaged" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_job_trains_on_its_targets_responses(repo, tmp_path) -> None:
+    """The demo config trains on responses (data.responses = true); here with settings of its own,
+    so the job generates them at its start (the seeded runs root holds the default ones)."""
     run_dir = tmp_path / "run"
-    sets = [*PIPELINE_SETS, "--set", "train.total_steps=3", "--set", "data.responses=true"]
-    sets += ["--set", "data.response_max_new=24"]
+    sets = [*PIPELINE_SETS, "--set", "train.total_steps=3", "--set", "data.response_max_new=24"]
     proc = start_job("dflash.train", repo, tmp_path, run_dir, *sets)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
-    made = list((tmp_path / ".responses").glob("*/responses.jsonl"))
-    assert len(made) == 1 and len(made[0].read_text().splitlines()) > 1000  # the demo corpus's 2000 prompts
+    cfg = load_config(
+        str(REPO / "configs" / "demo-cpu.toml"), [f"run.runs_root={tmp_path}", "data.response_max_new=24"]
+    )
+    corpus, target = tmp_path / ".demo" / "corpus.jsonl", tmp_path / ".tiny-target-l8-h64-s0"
+    directory = dataset_dir(cfg, str(corpus), str(target))[0]
+    records = [json.loads(line) for line in (directory / "responses.jsonl").read_text().splitlines()]
+    assert len(records) == 2000  # the demo corpus's prompts, each answered
+    assert all(1 <= sum(r["loss_mask"]) <= 24 for r in records)
     data_log = (run_dir / "logs" / "data.log").read_text()
-    assert "[responses]" in data_log
+    assert (
+        "[responses] 2000/2000 prompts" in data_log
+        and f"tokenizing {directory / 'responses.jsonl'}" in data_log
+    )

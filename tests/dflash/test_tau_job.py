@@ -3,6 +3,11 @@ checkpoint with `python -m dflash.eval` on held-out prompts, on the CPU with the
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 from jobs import PIPELINE_SETS, start_job
 
 from dflash.rundir import RunDir
@@ -32,6 +37,17 @@ def test_a_demo_size_run_records_tau_after_each_checkpoint(repo, tmp_path):
         assert t["rounds"] == sum(t["histogram"].values()) and len(t["acceptance_per_position"]) == 15
         assert t["drafter"].endswith(f"step-{t['step']}") and t["seconds"] > 0
     assert not run.read_events("tau_failed")
+    # What the job recorded, `python -m dflash.eval CHECKPOINT` gives again: a run's checkpoint is
+    # measured with the run's tau settings by default (one thread, as the job's measurement runs).
+    again = subprocess.run(
+        [sys.executable, "-m", "dflash.eval", taus[-1]["drafter"], "--json", "--device", "cpu"],
+        cwd=repo, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    r = json.loads(again.stdout)
+    assert (r["tau"], r["histogram"], r["prompts"], r["max_new"]) == (
+        taus[-1]["tau"], taus[-1]["histogram"], 4, 16
+    )  # fmt: skip
 
 
 def test_no_held_out_prompts_is_said_once_and_training_goes_on(repo, tmp_path):

@@ -484,6 +484,9 @@ def test_tau_is_drawn_beside_acc_and_summarized(tmp_path: Path) -> None:
     assert [t["tau"] for t in s.taus] == [1.3, 1.6, 1.9]
     assert any(line.startswith("tau 1.90 tokens per target verification at step 600 (first 1.30 at step 200)")
                for line in s.lines), s.lines  # fmt: skip
+    # The newest tau beside the final acc and streak: what the demo ends by printing.
+    (final,) = [line for line in s.lines if line.startswith("final loss")]
+    assert final.endswith(", tau 1.90 on held-out prompts (step 600)") and ", streak " in final
     fig = make_figure(data, s)
     p = panels(fig)
     ax = p["accuracy (top-1, green) and tau (purple, right axis)"]
