@@ -37,7 +37,7 @@ from dflash.data import source_records
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
 from dflash.rundir import atomic_write_bytes, atomic_write_json, unusable_reason
-from dflash.tokenizer import record_prompt
+from dflash.tokenizer import RecordError, record_prompt
 
 FORMAT = 2  # 2: token id records, the eos kept
 SHARD_RECORDS = 64
@@ -178,8 +178,15 @@ def ensure(cfg: JobConfig, data_path: str, target_path: str, tok: Any, *, batch:
         raise _write_error(directory, e) from None
     combined = directory / COMBINED
     done = check_shards(directory)
-    records = source_records(Path(data_path), cfg.data, log)
-    prompts = [p for rec in records if (p := record_prompt(rec, tok, cfg.data.response_prompt_tokens))]
+    prompts = []
+    for n, rec in enumerate(source_records(Path(data_path), cfg.data, log), 1):
+        try:
+            p = record_prompt(rec, tok, cfg.data.response_prompt_tokens)
+        except RecordError as e:  # turns the reader parses but the template refuses
+            log(f"data: skipped {data_path}: record {n}: no prompt: {e}")
+            continue
+        if p:
+            prompts.append(p)
     if not prompts:
         raise DFlashError(
             f"data.path {data_path}: no record gives a prompt (text, or messages with an assistant turn)"

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 def setup(tmp_path):
     root = seed_runs_root(tmp_path / "runs")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in demo_records(70, seed=5)))
+    records = demo_records(70, seed=5)
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     sets = [f"run.runs_root={root}", f"data.path={data}", "data.response_max_new=6"]
     cfg = load_config(str(REPO / "configs" / "demo-cpu.toml"), sets)
     target, tok, _ = resolve_target(cfg)
@@ -68,6 +69,17 @@ def test_responses_are_generated_once_into_shards_and_resume(setup) -> None:
     os.utime(directory / SHARDS)
     again = ensure(cfg, str(data), target, tok, batch=8, log=lambda m: None)
     assert again.read_text().splitlines() == lines and first.stat().st_mtime_ns == stamp
+
+
+def test_a_record_without_a_usable_prompt_is_skipped_and_logged(setup, tmp_path) -> None:
+    cfg, _, target, tok, _ = setup
+    data = tmp_path / "odd.jsonl"
+    bad = {"messages": ["not an object", {"role": "assistant", "content": "x"}]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*demo_records(4, seed=6), bad]))
+    logs: list[str] = []
+    out = ensure(cfg, str(data), target, tok, batch=8, log=logs.append)
+    assert len(out.read_text().splitlines()) == 4
+    assert any("record 5: no prompt: messages[0] is not an object" in m for m in logs), logs
 
 
 def test_another_setting_is_another_dataset_and_a_damaged_shard_is_refused(setup) -> None:
