@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from runner.console import cli_errors, console
+from runner.console import cli_errors, console, warn
 from runner.exec import remote
 from runner.launch.control import status
 from runner.launch.registry import Registry
@@ -33,12 +33,17 @@ def register(app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """List runs: id, name, state (running/starting/stopped/failed/stale), backend, hosts, step, tok/s, last tau, age."""
+        registry = Registry()
         with cli_errors(), remote.connections():
-            rows = [status(r) for r in Registry().all()]
+            rows = [status(r) for r in registry.all()]
         if not show_all:
             rows = [r for r in rows if r.state in ("running", "starting")]
+        # One line per damaged registry entry or run file: the others are listed all the same.
+        notes = [*registry.damaged, *(f"{r.record.run_id}: {line}" for r in rows for line in r.damage)]
         if as_json:
             typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+            for line in registry.damaged:
+                warn(line)
             return
         table = Table(box=None, pad_edge=False)
         for col in ("RUN ID", "NAME", "STATE", "BACKEND", "HOSTS", "STEP", "TOK/S", "TAU", "AGE"):
@@ -58,5 +63,7 @@ def register(app: typer.Typer) -> None:
                 _age(time.time() - r.record.created_at),
             )
         console.print(table)
+        for line in notes:
+            warn(line)
         if not rows:
             console.print("no runs" + ("" if show_all else " running (--all shows finished ones)"))

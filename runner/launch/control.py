@@ -40,6 +40,11 @@ class RunStatus:
     reason: str | None = None
     errors: list[str] = field(default_factory=list)
 
+    @property
+    def damage(self) -> list[str]:
+        """Every host's damaged files and skipped records (RunView.damage), one line each."""
+        return [line for v in self.views for line in v.damage]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.record.run_id,
@@ -54,6 +59,7 @@ class RunStatus:
             "age_s": round(time.time() - self.record.created_at, 1),
             "reason": self.reason,
             "errors": self.errors,
+            "damage": self.damage,
         }
 
 

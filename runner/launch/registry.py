@@ -13,6 +13,7 @@ from typing import Any
 
 from runner.errors import BadInput, RunnerError
 from runner.fsutil import atomic_write_text
+from runner.rundir.schema import REGISTRY_ENTRY, read_record_file
 
 STATE_ENV = "DFLASH_STATE_DIR"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
@@ -87,6 +88,8 @@ class RunRecord:
 class Registry:
     def __init__(self, root: Path | None = None) -> None:
         self.root = (root or state_dir()) / "runs"
+        self.damaged: list[str] = []
+        """One line per entry the last all() skipped (runner.rundir.schema): what ps prints."""
 
     def save(self, rec: RunRecord) -> Path:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -98,12 +101,18 @@ class Registry:
         (self.root / f"{run_id}.json").unlink(missing_ok=True)
 
     def all(self) -> list[RunRecord]:
-        out = []
+        out, self.damaged = [], []
         for p in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            # One damaged entry must not hide every other run: it is skipped, with one line.
+            d, why = read_record_file(p, REGISTRY_ENTRY)
+            if d is None:
+                if why:
+                    self.damaged.append(why)
+                continue
             try:
-                out.append(RunRecord.from_dict(json.loads(p.read_text())))
-            except (OSError, ValueError, TypeError):
-                continue  # one damaged entry must not hide every other run
+                out.append(RunRecord.from_dict(d))
+            except TypeError as e:  # a field this dflashctl does not know
+                self.damaged.append(f"{p} is damaged ({e}); remove that file if the run is not needed")
         return sorted(out, key=lambda r: r.created_at)
 
     def find(self, ref: str) -> RunRecord:
@@ -129,4 +138,7 @@ class Registry:
                 f"{ref!r} matches {len(by_prefix)} runs ({', '.join(r.run_id for r in by_prefix[:5])}); "
                 "give more of the run id"
             )
-        raise RunnerError(f"no run {ref!r} in {self.root}; `dflashctl ps --all` lists the known runs")
+        damaged = f"; {len(self.damaged)} damaged entries skipped: {self.damaged[0]}" if self.damaged else ""
+        raise RunnerError(
+            f"no run {ref!r} in {self.root}; `dflashctl ps --all` lists the known runs{damaged}"
+        )

@@ -14,6 +14,8 @@ from typing import Any
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.exec.proc import flock_holders
+from runner.rundir import schema
+from runner.rundir.schema import EVENTS, HEARTBEAT, METRICS, RUN_JSON, Damaged, Tally
 
 RUN_FORMAT = 1
 """run.json `format` this reader understands; a newer one is refused with advice to upgrade."""
@@ -76,6 +78,9 @@ class RunView:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    damage: list[str] = field(default_factory=list)
+    """One line per damaged file (what is wrong, what to do) and per file with records skipped for
+    their shape (docs/run-directory.md): what ps, logs, stop and report print beside the run."""
     read_at: float = field(default_factory=time.time)
     clock_offset: float = 0.0
     """The reading host's clock minus this machine's (whole seconds): the job's times and the
@@ -134,20 +139,13 @@ def tau_series(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """Complete records; the cut-off first line of a tail and a torn last line are skipped."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+def parse_jsonl(text: str, kind: schema.Schema = EVENTS, tally: Tally | None = None) -> list[dict[str, Any]]:
+    """Complete records of the right shape (runner.rundir.schema); the cut-off first line of a tail
+    is dropped, and any other line that is torn, not JSON or of the wrong shape is skipped and
+    counted in `tally`."""
+    if text and not text.lstrip().startswith("{"):
+        text = text.partition("\n")[2]  # a tail that began mid-line
+    return schema.parse_lines(kind, text, tally)
 
 
 def _lock_holder(stat_line: str, locks: str) -> int | None:
@@ -184,15 +182,17 @@ def read_run(
         return RunView(location=loc, exists=False)
     if "end" not in sections:
         raise RunnerError(f"reading the run directory {loc.describe()} was cut short; try again")
+    where = loc.describe().rstrip("/")
+    damage: list[str] = []
     manifest = None
     if sections.get("run.json", "").strip():
         try:
-            manifest = json.loads(sections["run.json"])
-        except json.JSONDecodeError:
-            manifest = None  # being rewritten is impossible (atomic), so it is damaged: treat as absent
-    if manifest is not None and int(manifest.get("format", 0) or 0) > RUN_FORMAT:
+            manifest = schema.parse_record(RUN_JSON, sections["run.json"])
+        except Damaged as e:  # run.json is written whole (temp file + rename): it is damaged
+            damage.append(schema.damaged_line(f"{where}/run.json", RUN_JSON, str(e)))
+    if manifest is not None and manifest.get("format", 0) > RUN_FORMAT:
         raise RunnerError(
-            f"{loc.describe()}/run.json has format {manifest['format']}, newer than this dflashctl "
+            f"{where}/run.json has format {manifest['format']}, newer than this dflashctl "
             f"reads ({RUN_FORMAT}); upgrade dflashctl"
         )
     heartbeats = {}
@@ -202,9 +202,15 @@ def read_run(
             if base.endswith(".data"):
                 continue  # a target's data position, not a heartbeat
             try:
-                heartbeats[base] = json.loads(text)
-            except json.JSONDecodeError:
-                continue
+                heartbeats[base] = schema.parse_record(HEARTBEAT, text)
+            except Damaged as e:
+                damage.append(
+                    schema.damaged_line(f"{where}/{key.removeprefix('worker ')}", HEARTBEAT, str(e))
+                )
+    tallies = {"metrics.jsonl": Tally(), "events.jsonl": Tally()}
+    metrics = parse_jsonl(sections.get("metrics", ""), METRICS, tallies["metrics.jsonl"])
+    events = parse_jsonl(sections.get("events", ""), EVENTS, tallies["events.jsonl"])
+    damage += [t.line(f"{where}/{name}") for name, t in tallies.items() if t.skipped]
     try:
         offset = float(int(sections.get("now", "").strip()) - int(time.time()))
     except ValueError:
@@ -215,9 +221,10 @@ def read_run(
         clock_offset=offset,
         manifest=manifest,
         lock_pid=_lock_holder(sections.get("lock", "").strip(), sections.get("locks", "")),
-        metrics=parse_jsonl(sections.get("metrics", "")),
-        events=parse_jsonl(sections.get("events", "")),
+        metrics=metrics,
+        events=events,
         heartbeats=heartbeats,
+        damage=damage,
     )
 
 

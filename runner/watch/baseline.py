@@ -21,6 +21,7 @@ from typing import Any
 
 from runner.canonical import HEX64, canonical_json
 from runner.fsutil import atomic_write_text, file_lock
+from runner.rundir.schema import BASELINE, read_record_file
 from runner.watch.signals import median
 
 SPEED_NEUTRAL = {
@@ -83,17 +84,18 @@ def _path(root: Path, key: str, chash: str) -> Path:
 
 
 def _read(path: Path) -> Baseline | None:
-    try:
-        d = json.loads(path.read_text())
-        return Baseline(
-            fingerprint_key=d["fingerprint_key"],
-            config_hash=d["config_hash"],
-            tok_s=float(d["tok_s"]),
-            runs=list(d.get("runs", [])),
-            updated_at=float(d.get("updated_at", 0.0)),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent or damaged: no baseline is better than a wrong one
+    """The baseline stored there; None when absent or damaged (runner.rundir.schema): no baseline
+    is better than a wrong one."""
+    d, _why = read_record_file(path, BASELINE)
+    if d is None:
+        return None
+    return Baseline(
+        fingerprint_key=d["fingerprint_key"],
+        config_hash=d["config_hash"],
+        tok_s=float(d["tok_s"]),
+        runs=list(d.get("runs", [])),
+        updated_at=float(d.get("updated_at", 0.0)),
+    )
 
 
 def load(root: Path, fingerprint_key: str, chash: str) -> Baseline | None:

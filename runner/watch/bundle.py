@@ -15,7 +15,8 @@ import importlib.util
 import zlib
 from pathlib import Path
 
-BUNDLED = ("procinfo", "nvml", "fakenvml", "sampler")
+BUNDLED = ("rundir.schema", "watch.procinfo", "watch.nvml", "watch.fakenvml", "watch.sampler")
+"""The sampler's modules under runner/, in import order (each stdlib only but for those before it)."""
 
 _BOOT = """\
 import base64, sys, types, zlib
@@ -25,10 +26,11 @@ def _install(name, packed):
     sys.modules[name] = module
     exec(compile(zlib.decompress(base64.b64decode(packed)).decode(), module.__file__, "exec"), module.__dict__)
     return module
-for _pkg in ("runner", "runner.watch"):
+for _pkg in ("runner", "runner.rundir", "runner.watch"):
     if _pkg not in sys.modules:
         sys.modules[_pkg] = types.ModuleType(_pkg)
         sys.modules[_pkg].__path__ = []
+sys.modules["runner"].rundir = sys.modules["runner.rundir"]
 sys.modules["runner"].watch = sys.modules["runner.watch"]
 PYNVML = {pynvml!r}
 if PYNVML:
@@ -37,7 +39,8 @@ if PYNVML:
     except ImportError:
         _install("pynvml", PYNVML)
 for _name, _packed in {modules!r}:
-    setattr(sys.modules["runner.watch"], _name, _install("runner.watch." + _name, _packed))
+    _parent, _, _leaf = ("runner." + _name).rpartition(".")
+    setattr(sys.modules[_parent], _leaf, _install("runner." + _name, _packed))
 raise SystemExit(sys.modules["runner.watch.sampler"].main(sys.argv[1:]))
 """
 
@@ -51,8 +54,8 @@ def bundle_source(include_pynvml: bool = True) -> str:
     """One self-contained Python program (for `python3 -`) that runs this sampler with its modules.
     With include_pynvml, this machine's pynvml.py travels too and is used where the host has none
     (the job's environment often lacks nvidia-ml-py)."""
-    here = Path(__file__).resolve().parent
-    modules = [(name, _pack((here / f"{name}.py").read_text())) for name in BUNDLED]
+    runner_dir = Path(__file__).resolve().parents[1]
+    modules = [(name, _pack((runner_dir / f"{name.replace('.', '/')}.py").read_text())) for name in BUNDLED]
     pynvml = ""
     if include_pynvml:
         spec = importlib.util.find_spec("pynvml")

@@ -1,5 +1,5 @@
 """Detectors over the run's events and the monitor's own state: degraded kernels, cold compiles,
-restarts, a stopped job, a silent sampler, a missing run directory."""
+restarts, a stopped job, a silent sampler, a missing run directory, damaged run files."""
 
 from __future__ import annotations
 
@@ -212,5 +212,25 @@ def sampler_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             message=message,
             advice="check the host and the ssh connection; watch restarts the sampler when it can",
             numbers={"sample_age_s": snap.sample_age_s},
+        )
+    ]
+
+
+def damaged_files(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """What the sampler's readers skipped: a damaged run.json or heartbeat, records of the wrong
+    shape in metrics.jsonl or events.jsonl. The rest is judged without them, so say so."""
+    snap = history[-1]
+    if not snap.damage:
+        return []
+    return [
+        Finding(
+            severity="warning",
+            kind="damaged_files",
+            subject="run",
+            message=f"{len(snap.damage)} damaged file(s) in the run directory, judged without them: "
+            + "; ".join(snap.damage),
+            advice="the findings above do not see what those files held; the job rewrites a heartbeat or "
+            "run.json, so a damage that stays is a writer other than the job, or a full or failing disk",
+            numbers={"files": len(snap.damage)},
         )
     ]

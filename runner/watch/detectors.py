@@ -17,7 +17,14 @@ from runner.watch.detect_pipeline import (
     metrics_stale,
     throughput_vs_baseline,
 )
-from runner.watch.detect_run import cold_compiles, degraded_events, job_state, restarts, sampler_state
+from runner.watch.detect_run import (
+    cold_compiles,
+    damaged_files,
+    degraded_events,
+    job_state,
+    restarts,
+    sampler_state,
+)
 from runner.watch.detect_tau import tau_findings
 from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom
 from runner.watch.findings import Finding, exit_code, sort_findings
@@ -44,6 +51,7 @@ DETECTORS: tuple[Detector, ...] = (
     tau_findings,
     job_state,
     sampler_state,
+    damaged_files,
 )
 
 __all__ = ["DETECTORS", "Finding", "Thresholds", "detect", "exit_code"]

@@ -19,7 +19,6 @@ It draws through the Agg canvas, never pyplot: no display, no global figure stat
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -32,7 +31,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
-from runner.rundir import last_lifecycle, parse_jsonl, tau_series
+from runner.rundir import last_lifecycle, tau_series
+from runner.rundir.schema import (
+    EVENTS,
+    METRICS,
+    RUN_JSON,
+    SAMPLE,
+    Schema,
+    Tally,
+    parse_lines,
+    read_record_file,
+)
 from runner.watch.signals import fmt_duration, fmt_tok
 from runner.watch.timeline import StartTimeline, cost, secs, starts
 
@@ -54,12 +63,13 @@ NO_SAMPLES = "no watch samples\n(GPU readings are kept while `dflashctl watch RU
 NO_GPUS = "no GPU readings in the watch samples\n(a CPU run, or NVML was unavailable on the host)"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON objects of a JSON Lines file, in order (runner.rundir.parse_jsonl: a torn or
-    garbled line is skipped); a missing file is empty."""
-    if not path.is_file():
+def read_jsonl(path: Path, kind: Schema = EVENTS, tally: Tally | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON Lines file of the right shape, in order (runner.rundir.schema: a torn,
+    garbled or misshapen line is skipped, and counted in `tally`); a missing file is empty."""
+    try:
+        return parse_lines(kind, path.read_bytes(), tally)
+    except OSError:
         return []
-    return parse_jsonl(path.read_bytes().decode("utf-8", errors="replace"))
 
 
 def _num(x: Any) -> float | None:
@@ -93,6 +103,8 @@ class RunData:
     gpus: dict[int, GpuSeries]
     samples: int
     sample_t: list[float]
+    damage: list[str] = field(default_factory=list)
+    """A line per damaged file or file with records skipped (runner.rundir.schema)."""
 
     @property
     def run_id(self) -> str:
@@ -104,14 +116,13 @@ def load_run(run_dir: Path) -> RunData:
         raise RunnerError(
             f"{run_dir} is not a directory; give a run directory or a run id (dflashctl ps --all)"
         )
-    try:
-        manifest = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        manifest = {}
+    manifest, why = read_record_file(run_dir / "run.json", RUN_JSON)
+    damage = [why] if why else []
+    tallies = {name: Tally() for name in ("metrics.jsonl", "events.jsonl", SAMPLES)}
     gpus: dict[int, GpuSeries] = {}
     samples = 0
     sample_t: list[float] = []
-    for s in read_jsonl(run_dir / SAMPLES):
+    for s in read_jsonl(run_dir / SAMPLES, SAMPLE, tallies[SAMPLES]):
         t = _num(s.get("t"))
         if t is None or not isinstance(s.get("gpus"), list):
             continue
@@ -135,11 +146,17 @@ def load_run(run_dir: Path) -> RunData:
                 series.total_gib = total / 1024
             if g["index"] in on_gpu:
                 series.workers = on_gpu[g["index"]]
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if _num(m.get("t")) is not None]
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if _num(e.get("t")) is not None]
+    metrics = read_jsonl(run_dir / "metrics.jsonl", METRICS, tallies["metrics.jsonl"])
+    events = [
+        e
+        for e in read_jsonl(run_dir / "events.jsonl", EVENTS, tallies["events.jsonl"])
+        if _num(e.get("t")) is not None
+    ]
+    damage += [t.line(str(run_dir / name)) for name, t in tallies.items() if t.skipped]
     return RunData(
         run_dir=run_dir,
-        manifest=manifest if isinstance(manifest, dict) else {},
+        manifest=manifest or {},
+        damage=damage,
         metrics=metrics,
         events=events,
         gpus=dict(sorted(gpus.items())),
@@ -188,6 +205,8 @@ class ReportSummary:
     taus: list[dict[str, Any]] = field(default_factory=list)
     """The job's tau measurements ({step, tau, acc, drafter}), by step: acceptance under speculative
     decoding; `python -m dflash.eval DRAFTER` repeats one."""
+    damage: list[str] = field(default_factory=list)
+    """A line per damaged file, or file with records skipped for their shape (RunData.damage)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -272,6 +291,7 @@ def summarize(data: RunData, png: Path) -> ReportSummary:
         gpus=len(data.gpus),
         starts=[tl.to_dict() for tl in tls],
         lines=[],
+        damage=list(data.damage),
         taus=[
             {"step": e["step"], "tau": e["tau"], "acc": e.get("acc"), "drafter": e.get("drafter")}
             for e in tau_series(data.events)
@@ -355,6 +375,7 @@ def _lines(
         if s.watch_samples
         else "watch samples: none (GPU readings are kept while `dflashctl watch RUN` runs)"
     )
+    lines += [f"damaged: {line}" for line in s.damage]
     lines.append(f"png: {s.png}")
     return lines
 

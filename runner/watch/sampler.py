@@ -41,6 +41,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.rundir.schema import (
+    ANY_RECORD,
+    EVENTS,
+    HEARTBEAT,
+    METRICS,
+    RUN_JSON,
+    Schema,
+    Tally,
+    parse_lines,
+    read_record_file,
+)
 from runner.watch import nvml as nvml_mod
 from runner.watch.nvml import NA, NVML, known
 from runner.watch.procinfo import ProcessProbe, lock_holder_pids
@@ -54,10 +65,13 @@ class JsonlTail:
     """Complete records appended to a JSONL file since the last read, by byte offset. A torn last
     line (a writer killed mid-write, or still writing) waits for the next read."""
 
-    def __init__(self, path: Path, first_read_max_bytes: int) -> None:
+    def __init__(self, path: Path, first_read_max_bytes: int, kind: Schema = ANY_RECORD) -> None:
         self.path = path
         self.offset: int | None = None  # None: not read yet
         self.first_read_max_bytes = first_read_max_bytes
+        self.kind = kind
+        self.tally = Tally()
+        """Lines skipped so far: not JSON, or not of the record's shape (runner.rundir.schema)."""
 
     def read(self) -> list[dict[str, Any]]:
         try:
@@ -78,15 +92,7 @@ class JsonlTail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                records.append(rec)
-        return records
+        return parse_lines(self.kind, data[:end], self.tally)
 
 
 def device_index(device: Any) -> int | None:
@@ -97,7 +103,8 @@ def device_index(device: Any) -> int | None:
     return int(idx) if idx.isdigit() else 0
 
 
-def read_heartbeats(workers_dir: Path) -> dict[str, dict[str, Any]]:
+def read_heartbeats(workers_dir: Path, damage: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each worker's heartbeat of the right shape; a damaged one is skipped, with a line in `damage`."""
     out: dict[str, dict[str, Any]] = {}
     try:
         names = sorted(os.listdir(workers_dir))
@@ -107,12 +114,11 @@ def read_heartbeats(workers_dir: Path) -> dict[str, dict[str, Any]]:
         # target-<i>.data.json is a target's data position, not a heartbeat; dot files are temp files.
         if name.startswith(".") or not name.endswith(".json") or name.endswith(".data.json"):
             continue
-        try:
-            hb = json.loads((workers_dir / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(hb, dict):
+        hb, why = read_record_file(workers_dir / name, HEARTBEAT)
+        if hb is not None:
             out[name[: -len(".json")]] = hb
+        elif why and damage is not None:
+            damage.append(why)
     return out
 
 
@@ -135,8 +141,9 @@ class SamplerState:
         self.interval_s = interval_s
         self.backlog = backlog
         self.host = host or socket.gethostname()
-        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl", first_read_max_bytes=4 << 20)
-        self.events = JsonlTail(self.run_dir / "events.jsonl", first_read_max_bytes=16 << 20)
+        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl", first_read_max_bytes=4 << 20, kind=METRICS)
+        self.events = JsonlTail(self.run_dir / "events.jsonl", first_read_max_bytes=16 << 20, kind=EVENTS)
+        self.manifest_damage: str | None = None
         self._manifest_stamp: tuple[int, int] | None = None
         self._first = True
         self.keep = False
@@ -196,14 +203,15 @@ def _manifest_if_changed(state: SamplerState) -> dict[str, Any] | None:
     path = state.run_dir / "run.json"
     try:
         st = path.stat()
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == state._manifest_stamp:
-            return None
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except OSError:
         return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    if stamp == state._manifest_stamp:
+        return None
+    manifest, why = read_record_file(path, RUN_JSON)
     state._manifest_stamp = stamp
-    return manifest if isinstance(manifest, dict) else None
+    state.manifest_damage = why
+    return manifest
 
 
 def _job(run_dir: Path, proc_root: Path) -> dict[str, Any]:
@@ -245,7 +253,9 @@ def _attach_gpu(
         w.update(gpu_index=dev, gpu_mem_mb=NA, gpu_match=None)
 
 
-def _workers(state: SamplerState, now: float, gpus: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _workers(
+    state: SamplerState, now: float, gpus: list[dict[str, Any]], damage: list[str]
+) -> dict[str, dict[str, Any]]:
     by_pid: dict[int, list[tuple[int, Any]]] = {}
     for g in gpus:
         if isinstance(g.get("procs"), list):
@@ -253,7 +263,7 @@ def _workers(state: SamplerState, now: float, gpus: list[dict[str, Any]]) -> dic
                 by_pid.setdefault(p["pid"], []).append((g["index"], p["mem_mb"]))
     workers = {}
     keys = []
-    for name, hb in read_heartbeats(state.run_dir / "workers").items():
+    for name, hb in read_heartbeats(state.run_dir / "workers", damage).items():
         w = dict(hb)
         for field, since in (
             ("age_s", "updated_at"),
@@ -288,6 +298,7 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     # Read the other way round, a job that ended between the two reads looked stopped with no
     # "stopped" event (a "not running" warning for a completed job).
     job = _job(state.run_dir, state.probe.fs.root)
+    damage: list[str] = []
     metrics = state.metrics.read()
     events = [e for e in state.events.read() if e.get("event") not in SKIPPED_EVENTS]
     if state._first:
@@ -302,7 +313,7 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
         "nvml": state.nvml.status,
         "gpus": gpus,
         "xid": xid,
-        "workers": _workers(state, now, gpus),
+        "workers": _workers(state, now, gpus, damage),
         "metrics": metrics,
         "events": events,
         "job": job,
@@ -310,6 +321,10 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     manifest = _manifest_if_changed(state)
     if manifest is not None:
         sample["manifest"] = manifest
+    # What the readers skipped: damaged files now, and the records skipped since the sampler started.
+    damage += [state.manifest_damage] if state.manifest_damage else []
+    damage += [t.tally.line(str(t.path)) for t in (state.metrics, state.events) if t.tally.skipped]
+    sample["damage"] = damage
     state._first = False
     sample["watch_lock"] = _watch_lock(state) if sample["run_dir_exists"] else "off"
     if sample["watch_lock"] == "held":

@@ -127,6 +127,8 @@ class Snapshot:
     """Seconds since the sampler's newest line arrived (the sampler may be silent)."""
     source: str = "ok"
     """ok | silent | ended: the sampler's own health."""
+    damage: tuple[str, ...] = ()
+    """The sampler's readers' lines: damaged files, records skipped for their shape (runner.rundir.schema)."""
 
     def gpu(self, index: int | None) -> GpuView | None:
         return next((g for g in self.gpus if g.index == index), None)
@@ -285,6 +287,7 @@ class History:
             run_dir=str(sample.get("run_dir", "")),
             run_dir_exists=bool(sample.get("run_dir_exists", True)),
             baseline_tok_s=self.baseline_tok_s,
+            damage=tuple(str(d) for d in sample.get("damage") or () if isinstance(d, str)),
         )
         self.snapshots.append(snap)
         return snap
