@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,7 @@ import typer
 from runner.cache.settings import config_path, config_table
 from runner.console import cli_errors, console
 from runner.envs import tomllib
-from runner.errors import BadInput, RunnerError
+from runner.errors import BadInput
 from runner.exec import remote
 from runner.launch.registry import HostRecord, Registry, RunRecord
 from runner.watch.actions import Policy
@@ -28,11 +29,11 @@ def thresholds_from(overrides: list[str]) -> Thresholds:
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
-            raise RunnerError(f"--threshold {o!r}: use key=value, e.g. --threshold hung_s=60")
+            raise BadInput(f"--threshold {o!r}: use key=value, e.g. --threshold hung_s=60")
         try:
             table[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:
-            raise RunnerError(f"--threshold {o!r}: {value!r} is not a number") from None
+            raise BadInput(f"--threshold {o!r}: {value!r} is not a number") from None
     return Thresholds.from_table(table, where=f"[watch] ({config_path()}) / --threshold")
 
 
@@ -88,9 +89,11 @@ def register(app: typer.Typer) -> None:
         """Watch a run: NVML per GPU and worker, queues and throughput, findings in plain words; act on them."""
         code = 0
         with cli_errors(), remote.connections():
-            if interval <= 0:
-                raise BadInput("--interval must be > 0")
-            if max_restarts < 0 or restart_window <= 0:
+            if not math.isfinite(interval) or interval <= 0:
+                raise BadInput(f"--interval must be a number of seconds above 0 (got {interval})")
+            if not math.isfinite(grace) or grace < 0:
+                raise BadInput(f"--grace must be a number of seconds, 0 or more (got {grace})")
+            if max_restarts < 0 or not math.isfinite(restart_window) or restart_window <= 0:
                 raise BadInput("--max-restarts must be >= 0 and --restart-window > 0 (seconds)")
             if as_json and not once:
                 raise BadInput(

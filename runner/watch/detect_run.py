@@ -1,5 +1,6 @@
 """Detectors over the run's events and the monitor's own state: degraded kernels, cold compiles,
-restarts, a stopped job, a silent sampler, a missing run directory, damaged run files."""
+restarts, a stopped job, a failed or silent sampler or source, a missing run directory, damaged run
+files."""
 
 from __future__ import annotations
 
@@ -196,23 +197,74 @@ def job_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     ]
 
 
+SAMPLER_ADVICE = (
+    "a live watch starts the sampler again every {every}; if it keeps failing, check the host and the "
+    "connection (`ssh HOST python3 -V`) and the sampler's last words in the message"
+)
+
+
 def sampler_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """watch is never blind in silence: a sampler that failed, exited or went quiet is critical, named
+    by host, with what it said last; the first seconds before any sample are only `info`."""
     snap = history[-1]
-    if snap.source == "ended":
-        message = f"the sampler on {snap.host or 'the host'} exited: the readings below are its last"
+    host = snap.host or "the host"
+    said = f" (its last output: {snap.sampler_noise[:300]})" if snap.sampler_noise else ""
+    age = fmt_duration(snap.sample_age_s)
+    if snap.source == "failed":
+        message = (
+            f"the sampler on {host} exited before its first sample{said}: watch sees nothing of this run"
+        )
+    elif snap.source == "ended":
+        message = (
+            f"the sampler on {host} exited {age} ago{said}: watch is blind; the readings below are its last"
+        )
+    elif snap.source == "silent" and snap.gpus == () and not snap.workers and not snap.manifest:
+        message = f"no sample from {host} in {age}{said}: watch sees nothing of this run"
     elif snap.source == "silent" or snap.sample_age_s > th.sampler_silent_s:
-        message = f"no sample from {snap.host or 'the host'} for {fmt_duration(snap.sample_age_s)}: the readings below are old"
+        message = f"no sample from {host} for {age}{said}: watch is blind; the readings below are old"
+    elif snap.source == "starting":
+        return [
+            Finding(
+                severity="info",
+                kind="sampler",
+                subject=f"sampler on {host}",
+                message=f"waiting for the first sample from {host} ({age} so far)",
+                advice="nothing yet: the sampler starts (over ssh this takes a connection)",
+                numbers={"sample_age_s": snap.sample_age_s},
+            )
+        ]
     else:
         return []
+    if snap.sampler_restarts:
+        message += f"; started again {snap.sampler_restarts} time(s)"
     return [
         Finding(
-            severity="warning",
+            severity="critical",
             kind="sampler",
-            subject="sampler",
+            subject=f"sampler on {host}",
             message=message,
-            advice="check the host and the ssh connection; watch restarts the sampler when it can",
-            numbers={"sample_age_s": snap.sample_age_s},
+            advice=SAMPLER_ADVICE.format(every=fmt_duration(th.sampler_silent_s)),
+            numbers={"sample_age_s": snap.sample_age_s, "restarts": snap.sampler_restarts},
         )
+    ]
+
+
+def source_failed(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """A source the sampler could not read this line (it went on without it): what it holds is not judged."""
+    snap = history[-1]
+    host = snap.host or "the host"
+    return [
+        Finding(
+            severity="critical",
+            kind="source_failed",
+            subject=f"{source} on {host}",
+            message=f"the sampler on {host} could not read {source}: {error}; the findings below are "
+            "judged without it",
+            advice="what it holds (GPUs, workers, records) is not seen by watch: fix the file or device "
+            "named; the sampler tries again every line",
+            numbers={},
+        )
+        for source, error in snap.source_errors
     ]
 
 

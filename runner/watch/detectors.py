@@ -24,6 +24,7 @@ from runner.watch.detect_run import (
     job_state,
     restarts,
     sampler_state,
+    source_failed,
 )
 from runner.watch.detect_tau import tau_findings
 from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom
@@ -51,6 +52,7 @@ DETECTORS: tuple[Detector, ...] = (
     tau_findings,
     job_state,
     sampler_state,
+    source_failed,
     damaged_files,
 )
 
@@ -62,4 +64,20 @@ def detect(history: Sequence[Snapshot], thresholds: Thresholds | None = None) ->
     if not history:
         return []
     th = thresholds or Thresholds()
-    return sort_findings(f for d in DETECTORS for f in d(history, th))
+    out: list[Finding] = []
+    for d in DETECTORS:
+        try:
+            out.extend(d(history, th))
+        except Exception as e:  # noqa: BLE001 - one check that breaks must not blind the others
+            out.append(
+                Finding(
+                    severity="critical",
+                    kind="watch_error",
+                    subject=d.__name__,
+                    message=f"watch's {d.__name__} check failed on this sample ({type(e).__name__}: {e}): "
+                    "what it looks for is not judged",
+                    advice="the other checks still run; this is a bug in watch: report it with the message above",
+                    numbers={},
+                )
+            )
+    return sort_findings(out)

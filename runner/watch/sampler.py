@@ -19,6 +19,8 @@ Each line (schema version 1; NA fields are "n/a"):
      "job": {"lock_pid", "lock_held": bool | "n/a"},
      "manifest": {run.json}      only on the first line and when run.json changes,
      "sampler": {"pid", "psutil", "seconds"},
+     "damage": [a line per damaged file, or file with records skipped],
+     "source_errors": [{"source", "error"}]   a source that raised: the line goes out without it,
      "watch_lock": "held" | "other" | "off"}
 With --keep, the sampler takes `<run dir>/watch/lock` (an flock: one acting watch per run, held for
 the sampler's life, released by the kernel however it ends) and, while it holds it, appends a compact
@@ -37,7 +39,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -288,19 +290,40 @@ def _workers(
     return workers
 
 
+class _Sources:
+    """Each source of a line read on its own: one that raises (an NVML call, a file, /proc) is an
+    entry in the line's `source_errors` and its default, never the end of the sampler (a watch
+    without its sampler is blind)."""
+
+    def __init__(self) -> None:
+        self.errors: list[dict[str, str]] = []
+
+    def read(self, source: str, fn: Callable[[], Any], default: Any) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - any source's failure is reported, not raised
+            self.errors.append({"source": source, "error": f"{type(e).__name__}: {e}"[:300]})
+            return default
+
+
 def sample_once(state: SamplerState) -> dict[str, Any]:
     """One sampler line as a dict (what main prints as JSON)."""
     t0 = time.perf_counter()
     now = time.time()
-    gpus = state.nvml.read_gpus()
-    xid = state.nvml.poll_xids()
+    src = _Sources()
+    gpus = src.read("nvml", state.nvml.read_gpus, [])
+    xid = src.read("nvml xid events", state.nvml.poll_xids, NA)
     # The lock before the files: a job writes its last records, then releases job.lock as it exits.
     # Read the other way round, a job that ended between the two reads looked stopped with no
     # "stopped" event (a "not running" warning for a completed job).
-    job = _job(state.run_dir, state.probe.fs.root)
+    job = src.read(
+        "job.lock", lambda: _job(state.run_dir, state.probe.fs.root), {"lock_pid": None, "lock_held": NA}
+    )
     damage: list[str] = []
-    metrics = state.metrics.read()
-    events = [e for e in state.events.read() if e.get("event") not in SKIPPED_EVENTS]
+    metrics = src.read("metrics.jsonl", state.metrics.read, [])
+    events = [
+        e for e in src.read("events.jsonl", state.events.read, []) if e.get("event") not in SKIPPED_EVENTS
+    ]
     if state._first:
         metrics, events = metrics[-state.backlog :], events[-4 * state.backlog :]
     sample: dict[str, Any] = {
@@ -313,12 +336,14 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
         "nvml": state.nvml.status,
         "gpus": gpus,
         "xid": xid,
-        "workers": _workers(state, now, gpus, damage),
+        "workers": src.read(
+            "workers/ (heartbeats, processes)", lambda: _workers(state, now, gpus, damage), {}
+        ),
         "metrics": metrics,
         "events": events,
         "job": job,
     }
-    manifest = _manifest_if_changed(state)
+    manifest = src.read("run.json", lambda: _manifest_if_changed(state), None)
     if manifest is not None:
         sample["manifest"] = manifest
     # What the readers skipped: damaged files now, and the records skipped since the sampler started.
@@ -326,9 +351,12 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     damage += [t.tally.line(str(t.path)) for t in (state.metrics, state.events) if t.tally.skipped]
     sample["damage"] = damage
     state._first = False
-    sample["watch_lock"] = _watch_lock(state) if sample["run_dir_exists"] else "off"
+    sample["watch_lock"] = (
+        src.read("watch/lock", lambda: _watch_lock(state), "off") if sample["run_dir_exists"] else "off"
+    )
     if sample["watch_lock"] == "held":
-        _keep(state, sample)
+        src.read("watch/samples.jsonl", lambda: _keep(state, sample), None)
+    sample["source_errors"] = src.errors
     sample["sampler"] = {
         "pid": os.getpid(),
         "psutil": state.probe.uses_psutil,
@@ -366,10 +394,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     next_at = time.monotonic()
     try:
         while True:
-            sys.stdout.write(dumps(sample_once(state)) + "\n")
-            sys.stdout.flush()
-            if args.once:
-                return 0
+            try:
+                line = dumps(sample_once(state))
+            except Exception as e:  # noqa: BLE001 - a line that cannot be made is said, and the next one tried
+                # On stderr, which watch merges into its noise: with no sample for sampler_silent_s
+                # it becomes a critical finding quoting this line.
+                print(
+                    f"sampler: no sample this interval: {type(e).__name__}: {e}", file=sys.stderr, flush=True
+                )
+                if args.once:
+                    return 1
+            else:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+                if args.once:
+                    return 0
             next_at += args.interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (a slow NVML, a stopped sampler): do not burst to catch up

@@ -37,9 +37,38 @@ class HostWatch:
     proc: subprocess.Popen[str]
     watcher: Watcher
     actor: Actor
+    argv: list[str] = field(default_factory=list)
+    """The sampler's command (behind ssh for a remote host), to start it again."""
+    started: float = 0.0
+    """time.monotonic() of the sampler's last start."""
     snap: Snapshot | None = None
     findings: list[Finding] = field(default_factory=list)
     critical_after_warmup: bool = False
+
+    def revive(self, every_s: float) -> None:
+        """A live watch is never left blind: a sampler that exited is started again (at most once
+        per `every_s`), and one silent for three times that (a frozen host, an ssh link that never
+        closes) is killed first, so that it is. The history and the findings carry on."""
+        now = time.monotonic()
+        if now - self.started < every_s:
+            return
+        if not self.watcher.ended:
+            if self.watcher.sample_age() > 3 * every_s and self.proc.poll() is None:
+                self.proc.kill()  # its reader sees EOF: ended, started again on a later refresh
+            return
+        self.close()
+        self.proc = start_sampler(self.argv)
+        self.started = now
+        assert self.proc.stdout is not None
+        self.watcher.attach(self.proc.stdout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
     @property
     def acting(self) -> bool:
@@ -69,9 +98,21 @@ class WatchSession:
             python = sys.executable if h.host is None else "python3"
             argv = sampler_argv(h.run_dir, interval_s=interval_s, once=once, python=python, fake_nvml=fake_nvml,
                                 keep=not once)  # fmt: skip
-            proc = start_sampler(remote.remote_argv(h.host, argv))
-            watcher = Watcher(proc.stdout, self.thresholds, baseline_dir=baselines_dir())
-            self.hosts.append(HostWatch(host=h, proc=proc, watcher=watcher, actor=self._actor(h)))
+            full = list(remote.remote_argv(h.host, argv))
+            proc = start_sampler(full)
+            watcher = Watcher(
+                proc.stdout, self.thresholds, baseline_dir=baselines_dir(), host=h.host or "localhost"
+            )
+            self.hosts.append(
+                HostWatch(
+                    host=h,
+                    proc=proc,
+                    watcher=watcher,
+                    actor=self._actor(h),
+                    argv=full,
+                    started=time.monotonic(),
+                )
+            )
 
     def _actor(self, h: HostRecord) -> Actor:
         loc = RunLocation(h.run_dir, h.host)
@@ -90,6 +131,8 @@ class WatchSession:
     def refresh(self, timeout: float) -> list[HostWatch]:
         deadline = time.monotonic() + timeout
         for hw in self.hosts:
+            if not self.once:
+                hw.revive(self.thresholds.sampler_silent_s)
             hw.snap, hw.findings = hw.watcher.refresh(timeout=max(0.0, deadline - time.monotonic()))
             if hw.acting and hw.snap is not None and hw.snap.t > 0:
                 hw.actor.report(hw.snap, hw.findings)
@@ -152,12 +195,7 @@ class WatchSession:
 
     def close(self) -> None:
         for hw in self.hosts:
-            if hw.proc.poll() is None:
-                hw.proc.terminate()
-                try:
-                    hw.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    hw.proc.kill()
+            hw.close()
 
 
 def wait_first(session: WatchSession, timeout: float) -> None:

@@ -126,9 +126,16 @@ class Snapshot:
     sample_age_s: float = 0.0
     """Seconds since the sampler's newest line arrived (the sampler may be silent)."""
     source: str = "ok"
-    """ok | silent | ended: the sampler's own health."""
+    """ok | starting | silent | ended | failed: the sampler's own health (runner.watch.watcher)."""
     damage: tuple[str, ...] = ()
     """The sampler's readers' lines: damaged files, records skipped for their shape (runner.rundir.schema)."""
+    source_errors: tuple[tuple[str, str], ...] = ()
+    """(source, error) for each of the sampler's sources that raised on this line (NVML, a run-directory
+    file, the process probe): the sampler went on without it."""
+    sampler_noise: str = ""
+    """The sampler's newest non-JSON output (a traceback's last line, an ssh error)."""
+    sampler_restarts: int = 0
+    """How often watch started this host's sampler again."""
 
     def gpu(self, index: int | None) -> GpuView | None:
         return next((g for g in self.gpus if g.index == index), None)
@@ -288,6 +295,11 @@ class History:
             run_dir_exists=bool(sample.get("run_dir_exists", True)),
             baseline_tok_s=self.baseline_tok_s,
             damage=tuple(str(d) for d in sample.get("damage") or () if isinstance(d, str)),
+            source_errors=tuple(
+                (str(e.get("source")), str(e.get("error")))
+                for e in sample.get("source_errors") or ()
+                if isinstance(e, Mapping)
+            ),
         )
         self.snapshots.append(snap)
         return snap

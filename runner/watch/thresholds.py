@@ -4,11 +4,16 @@ Defaults are set so the field's incident fires and a healthy run stays quiet (te
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runner.errors import RunnerError
+from runner.errors import BadInput
+
+
+class OutOfRange(BadInput):
+    """A threshold outside its range (Thresholds.RANGES)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,30 +68,81 @@ class Thresholds:
     tau_stall_gain: float = 0.02
     """The stall's gain, in tokens per verification."""
 
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise OutOfRange(problem)
+
+    def problem(self) -> str | None:
+        """The first value out of its range (RANGES), or None: a NaN or infinite threshold would make
+        its detector never (or always) fire, and that must not pass as a setting."""
+        for name, (low, high, low_open, words) in RANGES.items():
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v > high):
+                return f"{name} must be {words} (got {v!r})"
+        for small, big in PAIRS:
+            if getattr(self, small) >= getattr(self, big):
+                return f"{small} ({getattr(self, small)!r}) must be below {big} ({getattr(self, big)!r})"
+        return None
+
     @classmethod
     def from_table(cls, table: Mapping[str, Any] | None, *, where: str = "[watch]") -> Thresholds:
         """Defaults overridden by a TOML table, e.g. the `[watch]` table of dflashctl's config file:
-        keys are the field names; a wrong key or type raises RunnerError naming it."""
+        keys are the field names; a wrong key or type, or a value out of its range (finite, within
+        RANGES), raises BadInput naming it."""
         if not table:
             return cls()
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in table.items():
             if key not in fields:
-                raise RunnerError(f"{where} {key}: unknown threshold; known: {', '.join(sorted(fields))}")
+                raise BadInput(f"{where} {key}: unknown threshold; known: {', '.join(sorted(fields))}")
             want = int if fields[key].type in ("int", int) else float
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or (want is int and not isinstance(value, int))
             ):
-                raise RunnerError(
+                raise BadInput(
                     f"{where} {key} must be {'an integer' if want is int else 'a number'} (got {value!r})"
                 )
-            if value < 0:
-                raise RunnerError(f"{where} {key} must be >= 0 (got {value!r})")
             values[key] = want(value)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except OutOfRange as e:
+            raise BadInput(f"{where} {e}") from None
 
     def to_table(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_PCT = (0.0, 100.0, False, "a percentage from 0 to 100")
+_SHARE = (0.0, 1.0, True, "a share above 0 and at most 1")
+_SECONDS = (0.0, None, True, "a number of seconds above 0")
+RANGES: dict[str, tuple[float, float | None, bool, str]] = {
+    "stale_s": _SECONDS,
+    "hung_s": _SECONDS,
+    "idle_util_pct": _PCT,
+    "busy_util_pct": _PCT,
+    "idle_window_s": (0.0, None, False, "a number of seconds, 0 or more"),
+    "targets_busy_util_pct": _PCT,
+    "mem_full_frac": _SHARE,
+    "oom_util_pct": _PCT,
+    "oom_no_progress_s": _SECONDS,
+    "warmup_s": (0.0, None, False, "a number of seconds, 0 or more"),
+    "queue_full_frac": _SHARE,
+    "queue_empty_frac": (0.0, 1.0, False, "a share from 0 to 1"),
+    "degraded_frac": _SHARE,
+    "throughput_window": (1, None, False, "a count of 1 or more"),
+    "eta_blowup": (1.0, None, True, "a factor above 1"),
+    "eta_min_history": (1, None, False, "a count of 1 or more"),
+    "metrics_stale_intervals": (0.0, None, True, "a number of intervals above 0"),
+    "xid_window_s": _SECONDS,
+    "sampler_silent_s": _SECONDS,
+    "tau_drop_frac": _SHARE,
+    "tau_stall_measurements": (2, None, False, "a count of 2 or more"),
+    "tau_stall_gain": (0.0, None, False, "a number of tokens, 0 or more"),
+}
+"""Each threshold's range: (low, high or None, low excluded, the words for the error line)."""
+PAIRS = (("idle_util_pct", "busy_util_pct"), ("queue_empty_frac", "queue_full_frac"))
+"""Thresholds that must stay in order: an idle GPU is below a busy one, an empty queue below a full one."""

@@ -7,7 +7,10 @@
 
 Lines come from any iterator (a subprocess's stdout, an ssh channel, a list in tests). A reader
 thread drains it, so a silent sampler (a stuck host, a dead ssh link) turns into a `sampler`
-finding instead of a frozen dashboard.
+finding instead of a frozen dashboard. Its source states (Snapshot.source): ok; starting (no line
+yet, not silent for long); silent (no line for Thresholds.sampler_silent_s); ended (the stream
+closed and stayed closed); failed (closed before its first sample). All but ok and starting are
+critical: watch is blind there, and says so (detect_run.sampler_state).
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ def start_sampler(argv: Sequence[str]) -> subprocess.Popen[str]:
     return proc
 
 
-def _empty_snapshot(now: float) -> Snapshot:
+def _empty_snapshot(now: float, host: str) -> Snapshot:
     return Snapshot(
         t=now,
-        host="",
+        host=host,
         nvml="unavailable: no sample yet",
         gpus=(),
         workers=(),
@@ -80,7 +83,10 @@ class Watcher:
         baseline_dir: Path | None = None,
         history: History | None = None,
         clock: Callable[[], float] = time.time,
+        host: str = "",
     ) -> None:
+        self.host = host
+        """Whom the lines come from (an ssh host, localhost), for findings made before any sample."""
         self.thresholds = thresholds or Thresholds()
         self.history = history or History()
         self.baseline_dir = baseline_dir
@@ -88,21 +94,45 @@ class Watcher:
         self.noise: collections.deque[str] = collections.deque(maxlen=20)
         """The sampler's recent non-JSON output (a traceback, an ssh banner), for the UI to show."""
         self.ended = False
+        self.restarts = 0
+        """Sources attached after the first (WatchSession starts an ended sampler again)."""
+        self.bad_samples = 0
+        """Lines that parsed as JSON but could not be read as a sample (counted, kept in noise)."""
         self._lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._received_at: float | None = None
         self._started = clock()
         self._baseline_for: object = None
         if source is not None:
-            threading.Thread(target=self._read, args=(source,), name="watch-reader", daemon=True).start()
+            self.attach(source, restart=False)
 
-    def _read(self, source: Iterable[str | bytes]) -> None:
+    def attach(self, source: Iterable[str | bytes], *, restart: bool = True) -> None:
+        """Read lines from `source` from now on (a restarted sampler's stdout): the history stays.
+        Each source gets its own queue, so the end of an old one cannot end the new one."""
+        self._lines = queue.SimpleQueue()
+        self.ended = False
+        self.restarts += restart
+        threading.Thread(
+            target=self._read, args=(source, self._lines), name="watch-reader", daemon=True
+        ).start()
+
+    @staticmethod
+    def _read(source: Iterable[str | bytes], lines: queue.SimpleQueue[Any]) -> None:
         try:
             for line in source:
-                self._lines.put(line)
+                lines.put(line)
         except (OSError, ValueError):
             pass  # a closed pipe ends the stream like EOF
         finally:
-            self._lines.put(_END)
+            lines.put(_END)
+
+    @property
+    def last_words(self) -> str:
+        """The sampler's newest non-JSON line (a traceback's last line, an ssh error), or ""."""
+        return self.noise[-1] if self.noise else ""
+
+    def sample_age(self) -> float:
+        """Seconds since the newest sample arrived (since the start, before the first one)."""
+        return self.clock() - (self._received_at if self._received_at is not None else self._started)
 
     def feed(self, line: str | bytes) -> Snapshot | None:
         """Fold one sampler line in now (the reader thread does this for a source)."""
@@ -115,10 +145,17 @@ class Watcher:
         except ValueError:
             self.noise.append(text[:500])
             return None
-        if not isinstance(sample, dict) or "t" not in sample:
+        if not isinstance(sample, dict) or not isinstance(sample.get("t"), (int, float)):
             self.noise.append(text[:500])
             return None
-        return self.ingest(sample)
+        try:
+            return self.ingest(sample)
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
+            # A line of another shape (another sampler version, a damaged stream): counted and shown,
+            # and no sample: a source that only sends such lines turns silent, a critical finding.
+            self.bad_samples += 1
+            self.noise.append(f"a sample watch could not read ({type(e).__name__}: {e}): {text[:300]}")
+            return None
 
     def ingest(self, sample: dict[str, Any]) -> Snapshot:
         """Fold one sample (a sample_once() dict, or a parsed line) in."""
@@ -158,12 +195,27 @@ class Watcher:
         self._drain(timeout)
         now = self.clock()
         latest = self.history.latest
-        age = now - (self._received_at if self._received_at is not None else self._started)
-        # A sampler that ended right after its line (--once) is fine; one that ends and stays gone is not.
-        source = "ok" if age <= self.thresholds.sampler_silent_s else "ended" if self.ended else "silent"
+        age = self.sample_age()
+        quiet = age > self.thresholds.sampler_silent_s
         if latest is None:
-            snap = dataclasses.replace(_empty_snapshot(now), sample_age_s=age, source=source)
+            # No sample at all: a sampler that ended without one failed (watch sees nothing), never "ok".
+            source = "failed" if self.ended else "silent" if quiet else "starting"
+            snap = dataclasses.replace(
+                _empty_snapshot(now, self.host),
+                sample_age_s=age,
+                source=source,
+                sampler_noise=self.last_words,
+                sampler_restarts=self.restarts,
+            )
             return snap, detect([snap], self.thresholds)
-        snap = dataclasses.replace(latest, sample_age_s=age, source=source)
+        # A sampler that ended right after its line (--once) is fine; one that ends and stays gone is not.
+        source = "ok" if not quiet else "ended" if self.ended else "silent"
+        snap = dataclasses.replace(
+            latest,
+            sample_age_s=age,
+            source=source,
+            sampler_noise=self.last_words,
+            sampler_restarts=self.restarts,
+        )
         self.history.snapshots[-1] = snap
         return snap, detect(self.history.snapshots, self.thresholds)

@@ -67,7 +67,8 @@ def test_before_the_first_sample_and_json() -> None:
     watcher = Watcher(None)
     snap, findings = watcher.refresh(timeout=0)
     text = render(render_dashboard(snap, findings))
-    assert "no metrics record yet" in text and "healthy: no findings" in text
+    assert "no metrics record yet" in text and "waiting for the first sample" in text
+    assert "healthy" not in text, "before its first sample watch knows nothing: never healthy"
     s = healthy_sample(T0)
     history = History()
     snap = history.ingest(copy.deepcopy(s))

@@ -367,7 +367,9 @@ def test_silent_sampler() -> None:
     import dataclasses
 
     history.snapshots[-1] = dataclasses.replace(snap, sample_age_s=30.0, source="silent")
-    assert kinds(detect(history.snapshots)) == [("warning", "sampler", "sampler")]
+    f = detect(history.snapshots)
+    assert kinds(f) == [("critical", "sampler", "sampler on gpu-host")], "blind watch is critical"
+    assert "no sample from gpu-host for 30 s" in f[0].message
 
 
 # ---- thresholds and exit codes -------------------------------------------------------------------

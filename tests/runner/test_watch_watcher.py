@@ -49,7 +49,7 @@ def test_silent_sampler_is_a_finding_and_refresh_never_blocks() -> None:
     snap, findings = w.refresh(timeout=0.2)
     assert time.monotonic() - t0 < 1.0
     assert snap.source == "silent" and snap.sample_age_s == 30
-    assert [(f.kind, f.severity) for f in findings] == [("sampler", "warning")]
+    assert [(f.kind, f.severity) for f in findings] == [("sampler", "critical")]
     assert "no sample from gpu-host for 30 s" in findings[0].message
     release.set()
 
