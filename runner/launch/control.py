@@ -349,6 +349,23 @@ def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, f
     return tail_argv(location(h), rel, lines=lines, follow=not ended)
 
 
+def follow_end(rec: RunRecord, h: HostRecord) -> tuple[int, str] | None:
+    """Whether `logs --follow` should stop now: None while the run may still write (running, or
+    starting), else (exit code, one line): 0 and the state it ended in, 1 when its directory is gone
+    (removed, or a host that lost it). A read that fails for now (a dropped ssh link) is None."""
+    loc = location(h)
+    try:
+        view = read_run(loc, metrics_bytes=0, events_bytes=64 << 10)
+    except RunnerError:
+        return None
+    if not view.exists:
+        return 1, f"the run directory {loc.describe()} is gone: nothing more to follow"
+    if view.running:
+        return None
+    state = view.state(started_at=rec.created_at)
+    return None if state == "starting" else (0, f"the run is {state}: nothing more to follow")
+
+
 def log_names(h: HostRecord) -> list[str]:
     proc = remote.run(h.host, ["ls", "-1", f"{h.run_dir}/logs"], check=False)
     return sorted(n.removesuffix(".log") for n in proc.stdout.decode().split() if n.endswith(".log"))

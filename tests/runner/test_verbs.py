@@ -128,6 +128,68 @@ def test_logs_follow_stops_when_asked_and_does_not_follow_an_ended_run(
     )
 
 
+def _follow_err(cli: Cli, ref: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner.cli", "logs", ref, "--follow", "-n", "1"],
+        env=cli.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,
+    )
+
+
+def _ends(logs: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str]:
+    try:
+        _, err = logs.communicate(timeout=timeout)
+    finally:
+        logs.kill()
+    return logs.returncode, err
+
+
+def test_logs_follow_returns_when_the_run_directory_goes_away(
+    tmp_path: Path, holder: list[subprocess.Popen[str]]
+) -> None:
+    """Following a running run whose directory is removed (its supervisor still there), and a run
+    still starting (no lock yet, its files garbage) whose directory is removed: both return, exit 1,
+    one line; before, `tail -F` followed a missing file for ever."""
+    cli = Cli(tmp_path)
+    run_dir = _run_dir(tmp_path, "rm", {"t": time.time(), "event": "launched"})
+    _hold(run_dir, holder)
+    _register(cli, run_dir)
+    logs = _follow_err(cli, "rm")
+    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n"
+    shutil.rmtree(run_dir)
+    code, err = _ends(logs)
+    assert code == 1 and "is gone: nothing more to follow" in err, err
+
+    early = _run_dir(tmp_path, "early")
+    (early / "run.json").write_text("[1, 2")  # torn: the job has not written it yet
+    (early / "events.jsonl").write_bytes(b"\xff\xfe garbage\n")
+    _register(cli, early)
+    logs = _follow_err(cli, "early")
+    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n", "a starting run is followed"
+    shutil.rmtree(early)
+    code, err = _ends(logs)
+    assert code == 1 and "is gone" in err and "Traceback" not in err, err
+
+
+def test_logs_follow_returns_when_a_starting_run_ends(tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    run_dir = _run_dir(tmp_path, "brief")
+    (run_dir / "run.json").write_text(json.dumps({"format": 1}))  # no job yet: starting
+    _register(cli, run_dir)
+    logs = _follow_err(cli, "brief")
+    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n"
+    with (run_dir / "logs" / "supervisor.log").open("a") as f:
+        f.write("last words\n")
+    with (run_dir / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"t": time.time(), "event": "stopped", "reason": "completed"}) + "\n")
+    assert logs.stdout.readline() == "last words\n"
+    code, err = _ends(logs)
+    assert code == 0 and "the run is stopped" in err, err
+
+
 def test_ps_shows_failed_for_a_job_that_exited_non_zero(tmp_path: Path) -> None:
     """The job's last record when it exits non-zero: `stopped` with a reason that is no clean stop."""
     cli = Cli(tmp_path)
