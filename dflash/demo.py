@@ -174,6 +174,14 @@ def build_tiny_tokenizer(num_merges: int = 96):  # -> transformers tokenizer
 _MARKER = "dflash_tiny.json"
 
 
+def tiny_target_ready(
+    path: Path, *, layers: int, hidden: int, seed: int, tie_embeddings: bool = False
+) -> bool:
+    """A complete tiny target with these parameters is at `path` (read only: nothing is built)."""
+    spec = {"version": 1, "layers": layers, "hidden": hidden, "seed": seed, "tie": tie_embeddings}
+    return _tiny_complete(Path(path), spec)
+
+
 def _tiny_complete(path: Path, spec: dict[str, int | bool]) -> bool:
     marker = path / _MARKER
     if not marker.is_file():

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         help="without a config: the device type the cache is for (default: cuda if visible)",
     )
     p.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    p.add_argument(
+        "--read-only",
+        action="store_true",
+        help="write nothing (dflashctl run --dry-run): a tiny target not built yet under the runs root "
+        "is built in a temporary directory, removed after (the key does not depend on where it is)",
+    )
     args = p.parse_args(argv)
     with contextlib.redirect_stdout(sys.stderr):
         if args.config:
@@ -178,7 +185,17 @@ def main(argv: list[str] | None = None) -> None:
 
             try:
                 cfg = load_config(args.config, args.sets)
-                fp = cache_fingerprint(cfg)
+                if args.read_only and cfg.target.path == "tiny":
+                    from dflash.session import tiny_target_built
+
+                    if not tiny_target_built(cfg):
+                        with tempfile.TemporaryDirectory(prefix="dflash-fingerprint-") as scratch:
+                            cfg = load_config(args.config, [*args.sets, f"run.runs_root={scratch}"])
+                            fp = cache_fingerprint(cfg)
+                    else:
+                        fp = cache_fingerprint(cfg)
+                else:
+                    fp = cache_fingerprint(cfg)
             except DFlashError as e:  # bad input: one line, not a traceback
                 print(f"error: {e}", file=sys.stderr)
                 sys.exit(2)

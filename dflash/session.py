@@ -111,15 +111,29 @@ def _restored_key() -> str | None:
     return artifact.get("key") if artifact else None
 
 
+def tiny_target_dir(cfg: JobConfig) -> Path:
+    """Where `target.path = "tiny"` lives: under the runs root, named by all its weights depend on
+    (jobs with other seeds never swap it out)."""
+    name = f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}-s{cfg.run.seed}"
+    return Path(cfg.run.runs_root) / name
+
+
+def tiny_target_built(cfg: JobConfig) -> bool:
+    """`tiny` and already built under the runs root (read only)."""
+    from dflash.demo import tiny_target_ready
+
+    return cfg.target.path == "tiny" and tiny_target_ready(
+        tiny_target_dir(cfg), layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
+    )
+
+
 def resolve_target_path(cfg: JobConfig) -> str:
     """`tiny` builds (once) a tiny random Qwen3 under the runs root and returns its directory."""
     if cfg.target.path != "tiny":
         return cfg.target.path
     from dflash.demo import make_tiny_target
 
-    # Everything the weights depend on is in the name: jobs with other seeds never swap it out.
-    name = f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}-s{cfg.run.seed}"
-    path = Path(cfg.run.runs_root) / name
+    path = tiny_target_dir(cfg)
     try:
         made = make_tiny_target(
             path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed

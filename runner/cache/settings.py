@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runner.envs import tomllib  # the one 3.10 fallback shim
 from runner.errors import BadInput
+from runner.tomlfile import read_toml
 
 DEFAULT_KEEP_PREVIOUS = 2
 
@@ -34,11 +34,9 @@ def config_table(name: str, path: Path | None = None) -> dict[str, Any]:
     if not cfg_file.is_file():
         return {}
     try:
-        table = tomllib.loads(cfg_file.read_text()).get(name, {})
-    except tomllib.TOMLDecodeError as e:
-        raise BadInput(f"{cfg_file} is not valid TOML: {e}; fix it or move it aside") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read {cfg_file}: {e}; fix its permissions or move it aside") from None
+        table = read_toml(cfg_file, "dflashctl's config file").get(name, {})
+    except BadInput as e:
+        raise BadInput(f"{e}; or move it aside") from None
     if not isinstance(table, dict):
         raise BadInput(f"{cfg_file}: `{name}` must be a table ([{name}]), not {type(table).__name__}")
     return dict(table)

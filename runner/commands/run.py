@@ -48,10 +48,7 @@ def _render(plan: RunPlan) -> None:
 
 
 def _config_value(config: Path, sets: list[str], dotted: str, default: object) -> object:
-    try:
-        return config_value(config, sets, dotted, default)
-    except RunnerError as e:  # its one failure: the file is not readable TOML
-        raise BadInput(str(e)) from None
+    return config_value(config, sets, dotted, default)
 
 
 def _check_local_runs_root(runs_root: str) -> None:
@@ -127,6 +124,7 @@ def register(app: typer.Typer) -> None:
                 image=img,
                 variant=variant,
                 runs_root=runs_root,
+                dry_run=dry_run,
                 warm=warm,
                 allow_drift=allow_drift,
                 rdzv_port=rdzv_port,

@@ -15,18 +15,14 @@ from runner.cache.store import Store
 from runner.cache.warmrun import WarmPlan, plan_warm, warm_cache
 from runner.commands.cache import StoreOpt
 from runner.console import cli_errors, console
-from runner.envs import tomllib  # the one 3.10 fallback shim
-from runner.errors import BadInput
 from runner.exec import remote
 from runner.exec.docker import host_has_nvidia
 from runner.exec.jobenv import JobEnv, job_image
+from runner.tomlfile import read_toml, table
 
 
 def _wants_gpu(config: Path, host: str | None, sets: list[str]) -> bool:
-    try:
-        device = tomllib.loads(config.read_text()).get("run", {}).get("device", "auto")
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise BadInput(f"cannot read {config}: {e}") from None
+    device = table(read_toml(config), "run", f"config {config}").get("device", "auto")
     for override in sets:  # the job applies --set after the file; the last one wins
         key, _, value = override.partition("=")
         if key.strip() == "run.device":

@@ -113,8 +113,10 @@ def job_fingerprint(
     sets: list[str] | None = None,
     device: str | None = None,
     shown_as: str | Path | None = None,
+    read_only: bool = False,
 ) -> dict:
-    """{key, fingerprint} from `python -m dflash.fingerprint` in the target environment.
+    """{key, fingerprint} from `python -m dflash.fingerprint` in the target environment; read_only:
+    it writes nothing there (`run --dry-run`: a tiny target is built in a temporary directory).
 
     Without a config only the environment and source parts are reported (and compared). A config
     the job refuses is BadInput with the job's own lines, naming the config as shown_as (the user's
@@ -126,6 +128,8 @@ def job_fingerprint(
         args += ["--device", device]
     for s in sets or []:
         args += ["--set", s]
+    if read_only and config:
+        args.append("--read-only")
     proc = remote.run(env.host, env.argv(args), check=False, timeout=600)
     problems = job_refusal(proc.returncode, proc.stderr or b"") if config else []
     if problems:

@@ -77,6 +77,8 @@ class Request:
     image: str | None = None
     variant: str | None = None
     runs_root: str | None = None
+    dry_run: bool = False
+    """`run --dry-run`: the checks write nothing on any host."""
     warm: bool = False
     allow_drift: bool = False
     rdzv_port: int | None = None

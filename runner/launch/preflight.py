@@ -20,7 +20,7 @@ from typing import Any
 
 from runner.cache.store import Store
 from runner.doctor import collect, diagnose
-from runner.envs import load_variant, project_root, tomllib
+from runner.envs import load_variant, project_root
 from runner.errors import BadInput, RunnerError
 from runner.exec import docker as docker_cli
 from runner.exec import remote
@@ -29,23 +29,26 @@ from runner.launch import docker as docker_backend
 from runner.launch import tmux
 from runner.launch.plan import HostFacts, Mount, Request, managed_cache_dir
 from runner.lock import read_lock
+from runner.tomlfile import read_toml, table
 
 _CONTAINER_CFG = "/dflash-preflight/config.toml"
 
 
 def config_value(config: Path, sets: list[str], dotted: str, default: Any) -> Any:
     """One value of the job config as the job will see it (--set beats the file, file beats default),
-    read here without dflash: only for what the runner itself must know (runs_root, device)."""
-    try:
-        data = tomllib.loads(config.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise RunnerError(f"cannot read config {config}: {e}") from None
+    read here without dflash: only for what the runner itself must know (runs_root, name, device).
+    The file is read with the job's checks (runner.tomlfile); a value that is not a string (these
+    keys all are strings) is BadInput naming it."""
     section, _, key = dotted.partition(".")
-    value = data.get(section, {}).get(key, default)
+    value = table(read_toml(config), section, f"config {config}").get(key, default)
     for s in sets:
         k, _, v = s.partition("=")
         if k.strip() == dotted:
             value = v.strip().strip("\"'")
+    if not isinstance(value, str):
+        raise BadInput(
+            f"config {config}: {dotted} must be a string, got {type(value).__name__} {str(value)[:40]!r}"
+        )
     return value
 
 
@@ -229,7 +232,7 @@ def preflight(
             facts.lock_sha256 = drift_check(req, env, warn)
             # The runs root too: with `target.path = "tiny"` the fingerprint builds the tiny target
             # there (the runs root the job will use, not the config's default under this cwd).
-            fp = job_fingerprint(env, config=cfg, sets=checked_sets, shown_as=config)
+            fp = job_fingerprint(env, config=cfg, sets=checked_sets, shown_as=config, read_only=req.dry_run)
             facts.cache_key = fp.get("key")
             if rank == 0 and nnodes > 1:
                 base = f"/dflash-plan/{run_id}"  # replaced by each host's own run dir in build_plan

@@ -127,7 +127,7 @@ def test_bad_arguments_and_config_files(tmp_path: Path) -> None:
     refused(cli, "run", str(tmp_path / "nope.toml"), want="not found")
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("[run\n")
-    refused(cli, "run", str(bad_toml), "--runs-root", str(cli.runs), want="cannot read config")
+    refused(cli, "run", str(bad_toml), "--runs-root", str(cli.runs), want="is not valid TOML")
     refused(cli, "cache", "show", "zz-not-hex", want="not an artifact key")
     refused(cli, "cache", "prune", "--older-than", "soon", want="not understood")
     refused(cli, "doctor", "--python", "x", "--image", "y", want="not both")
@@ -149,3 +149,26 @@ def test_bad_arguments_and_config_files(tmp_path: Path) -> None:
     # Not bad input: a lookup that finds nothing is exit code 1.
     (tmp_path / "cfg" / "dflashctl" / "config.toml").write_text("")
     refused(cli, "cache", "show", "abcdef", want="no artifact", code=1)
+
+
+BAD_CONFIGS: dict[str, tuple[bytes, str]] = {
+    "not UTF-8": (b"\xff\xfe[run]\n", "is not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"),
+    "nested 100,000 deep": (b"a = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "is nested too deeply"),
+    "a 5,000-digit integer": (b"a = " + b"9" * 5000 + b"\n", "has an integer too long to read"),
+    "a section that is a number": (b"run = 5\n", "[run] must be a table, got int"),
+    "run.name a number": (b"[run]\nname = 7\n", "run.name must be a string, got int"),
+    "run.runs_root a list": (b'[run]\nruns_root = ["x"]\n', "run.runs_root must be a string, got list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_run_reads_a_damaged_config_as_the_job_does(tmp_path: Path, case: str) -> None:
+    """`run` reads run.runs_root and run.name itself before the job's check: a config the job would
+    refuse is one line from the runner too, exit 2, and nothing starts."""
+    text, says = BAD_CONFIGS[case]
+    config = tmp_path / "bad.toml"
+    config.write_bytes(text)
+    cli = Cli(tmp_path)
+    for extra in ([], ["--dry-run"]):
+        refused(cli, "run", str(config), "--backend", "foreground", *extra, want=says)
+    assert not (tmp_path / "state").exists(), "nothing registered"
