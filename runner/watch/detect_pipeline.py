@@ -17,6 +17,7 @@ from runner.watch.signals import (
     fmt_pct,
     fmt_range,
     fmt_tok,
+    idle_share,
     job_stopped,
     median,
     single_process,
@@ -45,6 +46,30 @@ def _rates(p: Pipeline) -> str:
     tgt = "n/a" if p.tgt_bps is None else f"{p.tgt_bps:.2f}"
     dft = "n/a" if p.dft_bps is None else f"{p.dft_bps:.2f}"
     return f"tgt={tgt} b/s, dft={dft} b/s, {fmt_tok(p.tok_s)}"
+
+
+def _waiting_half(
+    history: Sequence[Snapshot], th: Thresholds, waiting: str, slow: str
+) -> tuple[Severity, str, dict[str, object]]:
+    """How idle the waiting half's GPUs are (those of role `waiting` that hold no `slow` worker):
+    idle idle_share_warn of the time or more makes the slower-half finding a warning. Returns the
+    severity, the words for the message and the numbers."""
+    snap = history[-1]
+    slow_gpus = {w.gpu_index for w in snap.role(slow)}
+    gpus = sorted({w.gpu_index for w in snap.role(waiting) if w.gpu_index is not None} - slow_gpus)
+    share = idle_share(history, gpus, th.idle_share_window_s)
+    numbers: dict[str, object] = {
+        "idle_share": share,
+        "idle_gpus": gpus,
+        "idle_window_s": th.idle_share_window_s,
+    }
+    if share is None:
+        return "info", "", numbers
+    words = (
+        f" The {waiting} GPUs ({', '.join(map(str, gpus))}) were idle {fmt_pct(100 * share)} of the last "
+        f"{fmt_duration(th.idle_share_window_s)}."
+    )
+    return ("warning" if share >= th.idle_share_warn else "info"), words, numbers
 
 
 def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
@@ -94,14 +119,19 @@ def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                 for w in drafters
             )
         )
+        extra: dict[str, object] = {}
         if working:
-            severity: Severity = "info"
+            severity: Severity
+            severity, idle_said, extra = _waiting_half(history, th, "target", "drafter")
             message = (
                 f"drafters are the slower half: the targets' prefetch queues are full and hidden "
-                f"states are taken as soon as they are ready ({queues}); every drafter is stepping. "
+                f"states are taken as soon as they are ready ({queues}); every drafter is stepping.{idle_said} "
                 f"{_rates(p)}"
             )
-            advice = "more drafter GPUs (pipeline.drafters) would raise throughput; fewer targets would do"
+            advice = (
+                "more drafter GPUs (pipeline.drafters) would raise throughput; or fewer targets "
+                "(pipeline.targets) for the same throughput, freeing their GPUs"
+            )
         else:
             severity = "critical"
             message = (
@@ -120,44 +150,49 @@ def bottleneck(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                 subject="pipeline",
                 message=message,
                 advice=advice,
-                numbers={**numbers, "idle_drafter_gpus": [g for g, _, _ in idle]},
+                numbers={**numbers, **extra, "idle_drafter_gpus": [g for g, _, _ in idle]},
             )
         ]
     drafters_waiting = any(w.state == "waiting_input" for w in snap.role("drafter"))
     if hs_empty and busy is True and drafters_waiting:
+        severity, idle_said, extra = _waiting_half(history, th, "drafter", "target")
         return [
             Finding(
-                severity="info",
+                severity=severity,
                 kind="targets_bottleneck",
                 subject="pipeline",
                 message=(
                     f"targets are the bottleneck: drafters wait for hidden states ({queues}) while the target "
-                    f"GPUs are busy ({fmt_pct(target_util)} median). {_rates(p)}"
+                    f"GPUs are busy ({fmt_pct(target_util)} median).{idle_said} {_rates(p)}"
                 ),
                 advice="add target workers (pipeline.targets) or move a drafter GPU to the targets",
-                numbers=numbers,
+                numbers={**numbers, **extra},
             )
         ]
     if hs_full and any(w.state == "waiting_output" for w in snap.role("target")):
+        severity, idle_said, extra = _waiting_half(history, th, "target", "drafter")
         return [
             Finding(
-                severity="info",
+                severity=severity,
                 kind="drafters_slower",
                 subject="pipeline",
-                message=f"drafters are slower than the targets: hidden states pile up ({queues}). {_rates(p)}",
+                message=f"drafters are slower than the targets: hidden states pile up ({queues}).{idle_said} "
+                f"{_rates(p)}",
                 advice="add drafter workers (pipeline.drafters) or give the targets fewer GPUs",
-                numbers=numbers,
+                numbers={**numbers, **extra},
             )
         ]
     if pre_empty and any(w.state == "waiting_input" for w in snap.role("target")):
+        severity, idle_said, extra = _waiting_half(history, th, "target", "data")
         return [
             Finding(
-                severity="info",
+                severity=severity,
                 kind="data_bottleneck",
                 subject="pipeline",
-                message=f"data loading is the bottleneck: the targets wait for batches ({queues}). {_rates(p)}",
+                message=f"data loading is the bottleneck: the targets wait for batches ({queues}).{idle_said} "
+                f"{_rates(p)}",
                 advice="pre-tokenize the data (data.cache_dir) or put it on a faster disk",
-                numbers=numbers,
+                numbers={**numbers, **extra},
             )
         ]
     return []

@@ -32,6 +32,18 @@ def util_max(history: Sequence[Snapshot], gpu_index: int | None, seconds: float)
     return max(values)
 
 
+def idle_share(history: Sequence[Snapshot], gpus: Sequence[int], seconds: float) -> float | None:
+    """The share of the window these GPUs spent idle: 1 - utilization (NVML's share of time a kernel
+    ran), averaged over the window's samples and the GPUs; None without a reading."""
+    values = [
+        1.0 - g.util_gpu / 100.0
+        for snap in window(history, seconds)
+        for g in (snap.gpu(i) for i in gpus)
+        if g is not None and g.util_gpu is not None
+    ]
+    return sum(values) / len(values) if values else None
+
+
 def util_now(snap: Snapshot, gpu_index: int | None) -> float | None:
     g = snap.gpu(gpu_index)
     return None if g is None else g.util_gpu

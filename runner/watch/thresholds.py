@@ -41,6 +41,11 @@ class Thresholds:
     warmup_s: float = 300.0
     """After a worker starts (and while it is compiling), its memory spike and low throughput are
     not judged: the first compile fills memory and the first records are slow."""
+    idle_share_warn: float = 0.2
+    """The waiting half's GPUs idle this share of the time (1 - utilization over idle_share_window_s)
+    while the other half is the bottleneck: the slower-half finding is then a warning, not info."""
+    idle_share_window_s: float = 60.0
+    """The window over which that idle share is averaged."""
     queue_full_frac: float = 0.9
     """A queue at or above this fraction of its capacity is full (q_pre: pipeline.prefetch_depth,
     q_hs: pipeline.queue_depth from run.json)."""
@@ -130,6 +135,8 @@ RANGES: dict[str, tuple[float, float | None, bool, str]] = {
     "oom_util_pct": _PCT,
     "oom_no_progress_s": _SECONDS,
     "warmup_s": (0.0, None, False, "a number of seconds, 0 or more"),
+    "idle_share_warn": _SHARE,
+    "idle_share_window_s": _SECONDS,
     "queue_full_frac": _SHARE,
     "queue_empty_frac": (0.0, 1.0, False, "a share from 0 to 1"),
     "degraded_frac": _SHARE,

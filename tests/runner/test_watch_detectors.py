@@ -184,7 +184,9 @@ def test_a_frozen_drafter_is_not_called_stepping() -> None:
     s = _queues(sample(), [50, 46], [0])
     for i, u in ((0, 4), (1, 6), (2, 97), (3, 99)):  # blocked targets, busy drafters
         s = with_gpu(s, i, util_gpu=u)
-    assert kinds(run(s)) == [("info", "drafters_bottleneck", "pipeline")], "busy drafters: the slower half"
+    slower = run(s)
+    assert kinds(slower) == [("warning", "drafters_bottleneck", "pipeline")], "busy drafters: the slower half"
+    assert "The target GPUs (0, 1) were idle 95% of the last 60 s" in slower[0].message, "idle targets warn"
     s = with_worker(s, "drafter-0", age_s=12.0, progress_age_s=12.0, proc_state="stopped")
     f = run(s)
     assert ("critical", "hung_worker", "drafter-0") in kinds(f)
@@ -220,6 +222,45 @@ def test_targets_busy_with_drafters_waiting_is_the_targets_bottleneck() -> None:
     f = run(s)
     assert kinds(f) == [("info", "targets_bottleneck", "pipeline")]
     assert "targets are the bottleneck" in f[0].message
+
+
+def test_slow_targets_leaving_drafter_gpus_idle_a_third_of_the_time_warn_and_reach_events() -> None:
+    """The field's other case: the target half is the slow one and the drafter GPUs idle a third of
+    the time. That is a warning with the share and the advice, and the acting watch writes it."""
+    from runner.watch.actions import Actor, Policy
+
+    samples = []
+    for k in range(30):  # a minute of samples, the drafter GPUs at 60-72%, 66% on average (idle a third of it)
+        s = _queues(sample(T0 - 58 + 2 * k), [50, 50], [0])
+        s = with_worker(
+            with_worker(s, "drafter-0", state="waiting_input"), "drafter-1", state="waiting_input"
+        )
+        s = with_gpu(with_gpu(s, 2, util_gpu=60.0 + (k % 2) * 12), 3, util_gpu=66.0)
+        samples.append(s)
+    f = run(*samples)
+    assert kinds(f) == [("warning", "targets_bottleneck", "pipeline")]
+    assert "The drafter GPUs (2, 3) were idle 34% of the last 60 s" in f[0].message
+    assert f[0].numbers["idle_gpus"] == [2, 3] and abs(f[0].numbers["idle_share"] - 0.34) < 1e-9
+    assert "pipeline.targets" in f[0].advice and exit_code(f) == 1
+    logged: list[tuple[str, dict[str, Any]]] = []
+    actor = Actor(Policy(restart=False), signal_host=lambda *a: None, relaunch=None,
+                  log_event=lambda event, **fields: logged.append((event, fields)))  # fmt: skip
+    history = History()
+    for x in samples:
+        history.ingest(x)
+    actor.report(history.snapshots[-1], f)
+    assert [(e, x["kind"], x["severity"]) for e, x in logged] == [
+        ("finding", "targets_bottleneck", "warning")
+    ]
+    # Busy drafters (idle 9%): the same bottleneck stays info, and is not written.
+    quiet = _queues(sample(), [50, 50], [0])
+    quiet = with_worker(
+        with_worker(quiet, "drafter-0", state="waiting_input"), "drafter-1", state="waiting_input"
+    )
+    assert kinds(run(quiet)) == [("info", "targets_bottleneck", "pipeline")]
+    # Without GPU readings there is no share to judge: info.
+    blind = dict(quiet, gpus=[])
+    assert ("info", "targets_bottleneck", "pipeline") in kinds(run(blind))
 
 
 def test_hidden_states_piling_up_means_slower_drafters() -> None:
