@@ -230,7 +230,9 @@ def test_slow_targets_leaving_drafter_gpus_idle_a_third_of_the_time_warn_and_rea
     from runner.watch.actions import Actor, Policy
 
     samples = []
-    for k in range(30):  # a minute of samples, the drafter GPUs at 60-72%, 66% on average (idle a third of it)
+    for k in range(
+        30
+    ):  # a minute of samples, the drafter GPUs at 60-72%, 66% on average (idle a third of it)
         s = _queues(sample(T0 - 58 + 2 * k), [50, 50], [0])
         s = with_worker(
             with_worker(s, "drafter-0", state="waiting_input"), "drafter-1", state="waiting_input"
