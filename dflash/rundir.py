@@ -315,6 +315,7 @@ class Heartbeat:
             "device": device,
             "step": 0,
             "state": "starting",
+            "state_since": now,
             "last_progress_at": now,
             "updated_at": now,
             "started_at": now,
@@ -335,6 +336,8 @@ class Heartbeat:
             raise ValueError(f"unknown worker state {state!r}")
         with self._lock:
             if state is not None:
+                if state != self._state["state"]:
+                    self._state["state_since"] = time.time()  # how long a state lasts (watch limits it)
                 self._state["state"] = state
             self._state.update(fields)
             if progress:

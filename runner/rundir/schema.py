@@ -288,6 +288,7 @@ HEARTBEAT = Schema(
         "device": opt(STR),
         "gpu_uuid": opt(STR),
         "state": STR,
+        "state_since": opt(NUM),
         "step": opt(INT),
         "last_progress_at": opt(NUM),
         "updated_at": NUM,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runner.watch.findings import Finding
+from runner.watch.findings import Finding, Severity
 from runner.watch.signals import (
     PAUSED_STATES,
     fmt_duration,
@@ -178,6 +178,105 @@ def likely_oom(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                     "mem_total_mb": g.mem_total_mb,
                     "util_gpu": util,
                     "workers": [w.name for w in stalled],
+                },
+            )
+        )
+    return out
+
+
+def _span(s: float) -> str:
+    """Seconds below ten minutes (a limit of 160 s and an age of 200 s both read "3 min" otherwise)."""
+    return f"{s:.0f} s" if s < 600 else fmt_duration(s)
+
+
+COMPILE_LIMIT_FLOOR_S = 120.0
+"""A limit from the run's own compiles never goes below this (a run of quick compiles so far)."""
+
+
+def compile_limit(snap: Snapshot, th: Thresholds) -> tuple[float, str]:
+    """How long a compile may take in this run, and where that comes from: compile_history_factor
+    times the run's longest compile so far (its `compiled` events), else compile_limit_s."""
+    seconds = [
+        float(e["seconds"])
+        for e in snap.events
+        if e.get("event") == "compiled" and isinstance(e.get("seconds"), (int, float)) and e["seconds"] > 0
+    ]
+    if not seconds:
+        return (
+            th.compile_limit_s,
+            f"compile_limit_s ({fmt_duration(th.compile_limit_s)}: no compile of this run yet)",
+        )
+    longest = max(seconds)
+    limit = max(COMPILE_LIMIT_FLOOR_S, th.compile_history_factor * longest)
+    return limit, (
+        f"{th.compile_history_factor:g}x this run's longest compile so far ({_span(longest)}, "
+        f"{len(seconds)} compile(s))"
+    )
+
+
+_WAITS_FOR = {
+    "waiting_input": "its input (the other half, or the data)",
+    "waiting_output": "room to publish (the drafters)",
+}
+
+
+def stuck_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """Every busy or waiting state has a time limit: a worker `starting`, `compiling` or
+    `checkpointing` past its limit is stuck (critical) whatever its GPU shows, since those states
+    excuse it from the other detectors; one waiting on a queue past wait_limit_s is a warning."""
+    snap = history[-1]
+    out = []
+    for w in snap.workers:
+        if w.alive is not True or w.state_age_s is None or w.state in (None, "stopped", "computing"):
+            continue
+        if w.age_s is not None and w.age_s > th.stale_s:
+            continue  # frozen: hung_worker says so
+        severity: Severity = "critical"
+        if w.state == "compiling":
+            limit, why = compile_limit(snap, th)
+            advice = (
+                f"a compile this long is stuck or thrashing (recompiles): read logs/{w.name}.log; a restored "
+                f"compile cache (dflashctl cache restore / run --warm) makes it a load. {_restart_advice(w)}"
+            )
+        elif w.state == "starting":
+            limit, why = th.starting_limit_s, "starting_limit_s"
+            advice = f"loading its model or joining its group has stalled: read logs/{w.name}.log. {_restart_advice(w)}"
+        elif w.state == "checkpointing":
+            limit, why = th.checkpoint_limit_s, "checkpoint_limit_s"
+            advice = (
+                f"the checkpoint write has stalled: check the runs root's disk (space, a hung mount) and "
+                f"logs/{w.name}.log. {_restart_advice(w)}"
+            )
+        elif w.state in _WAITS_FOR:
+            limit, why = th.wait_limit_s, "wait_limit_s"
+            severity = "warning"
+            advice = (
+                f"it waits for {_WAITS_FOR[w.state]}: the findings about that side say why; if none do, "
+                f"read logs/{w.name}.log"
+            )
+        else:
+            continue
+        if w.state_age_s <= limit:
+            continue
+        util = util_max(history, w.gpu_index, th.idle_window_s)
+        use = f"; its GPU is at {fmt_pct(util)}" if util is not None else ""
+        out.append(
+            Finding(
+                severity=severity,
+                kind="stuck_worker",
+                subject=w.name,
+                message=(
+                    f"{w.name}{_where(w)} has been {w.state} for {_span(w.state_age_s)}, past its "
+                    f"limit of {_span(limit)} ({why}){use}, step {w.step}"
+                ),
+                advice=advice,
+                numbers={
+                    "state": w.state,
+                    "state_age_s": w.state_age_s,
+                    "limit_s": limit,
+                    "pid": w.pid,
+                    "gpu": w.gpu_index,
+                    "util_gpu": util,
                 },
             )
         )

@@ -27,7 +27,7 @@ from runner.watch.detect_run import (
     source_failed,
 )
 from runner.watch.detect_tau import tau_findings
-from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom
+from runner.watch.detect_workers import dead_worker, hung_worker, likely_oom, stuck_state
 from runner.watch.findings import Finding, exit_code, sort_findings
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
@@ -38,6 +38,7 @@ DETECTORS: tuple[Detector, ...] = (
     dead_worker,
     hung_worker,
     likely_oom,
+    stuck_state,
     bottleneck,
     busy_gpu,
     throughput_vs_baseline,

@@ -12,7 +12,7 @@ Each line (schema version 1; NA fields are "n/a"):
                "faults": {function: fault}}],
      "xid": [{"t", "gpu", "xid"}] | "n/a",
      "workers": {"drafter-0": {<heartbeat fields>, "age_s", "progress_age_s", "uptime_s",
-                 "host_pid", "alive", "proc_state", "cpu_percent", "rss_mb",
+                 "state_age_s", "host_pid", "alive", "proc_state", "cpu_percent", "rss_mb",
                  "gpu_index", "gpu_mem_mb", "gpu_match": "pid" | "uuid" | "device" | null}},
      "metrics": [metrics.jsonl records appended since the previous line],
      "events": [events.jsonl records since the previous line, without `batch` debugging records],
@@ -271,6 +271,7 @@ def _workers(
             ("age_s", "updated_at"),
             ("progress_age_s", "last_progress_at"),
             ("uptime_s", "started_at"),
+            ("state_age_s", "state_since"),
         ):
             w[field] = round(now - hb[since], 3) if isinstance(hb.get(since), (int, float)) else None
         pid, started = hb.get("pid"), hb.get("started_at")

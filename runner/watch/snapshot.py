@@ -75,6 +75,8 @@ class WorkerView:
     gpu_mem_mb: float | None
     gpu_match: str | None
     heartbeat: Mapping[str, Any] = field(default_factory=dict)
+    state_age_s: float | None = None
+    """Seconds in its current state (the heartbeat's state_since); None from a job that predates it."""
 
     @property
     def label(self) -> str:
@@ -211,6 +213,7 @@ def _worker_view(name: str, w: Mapping[str, Any]) -> WorkerView:
         gpu_mem_mb=_num(w.get("gpu_mem_mb")),
         gpu_match=w.get("gpu_match"),
         heartbeat=dict(w),
+        state_age_s=_num(w.get("state_age_s")),
     )
 
 

@@ -24,6 +24,18 @@ class Thresholds:
     hung_s: float = 20.0
     """No progress (step, published batch) for this long, while input waits and the GPU is idle,
     means a hung worker. Longer than the slowest normal step."""
+    starting_limit_s: float = 900.0
+    """A worker still `starting` (loading its model, joining its group) after this long is stuck."""
+    compile_limit_s: float = 900.0
+    """A worker `compiling` this long is stuck, where the run has no compile of its own to go by."""
+    compile_history_factor: float = 4.0
+    """Where it has one: compiling longer than this many times the run's longest compile so far (its
+    `compiled` events), and at least 120 s, is stuck."""
+    checkpoint_limit_s: float = 600.0
+    """A worker `checkpointing` this long is stuck (a hung filesystem, a full disk)."""
+    wait_limit_s: float = 600.0
+    """A worker waiting on a queue (waiting_input, waiting_output) this long without a change of
+    state: a warning naming the other side it waits for."""
     idle_util_pct: float = 10.0
     """A GPU at or below this utilization is idle (the field's stuck drafters read 0-4%)."""
     busy_util_pct: float = 90.0
@@ -127,6 +139,11 @@ _SECONDS = (0.0, None, True, "a number of seconds above 0")
 RANGES: dict[str, tuple[float, float | None, bool, str]] = {
     "stale_s": _SECONDS,
     "hung_s": _SECONDS,
+    "starting_limit_s": _SECONDS,
+    "compile_limit_s": _SECONDS,
+    "compile_history_factor": (1.0, None, True, "a factor above 1"),
+    "checkpoint_limit_s": _SECONDS,
+    "wait_limit_s": _SECONDS,
     "idle_util_pct": _PCT,
     "busy_util_pct": _PCT,
     "idle_window_s": (0.0, None, False, "a number of seconds, 0 or more"),

@@ -106,3 +106,21 @@ def test_supervisor_token_tells_live_from_dead_and_zombie():
     assert not supervisor_alive(zombie)
     child.wait()
     assert not supervisor_alive(zombie) and not supervisor_alive("garbage")
+
+
+def test_heartbeat_state_since_moves_only_when_the_state_changes(tmp_path):
+    """watch limits how long a state lasts (runner.watch.detect_workers.stuck_state) from this."""
+    run = RunDir(tmp_path / "r").create()
+    hb = Heartbeat(run, "drafter", 0, rank=0, device="cpu", interval_s=10).start()
+    born = hb.get()["state_since"]
+    hb.set("compiling")
+    since = hb.get()["state_since"]
+    assert since >= born
+    time.sleep(0.02)
+    hb.set("compiling", step=1)  # the same state again: its start stays
+    assert hb.get()["state_since"] == since
+    hb.set("computing", progress=True)
+    assert hb.get()["state_since"] > since
+    on_disk = json.loads(run.heartbeat_path("drafter", 0).read_text())
+    assert on_disk["state_since"] == hb.get()["state_since"]
+    hb.stop()

@@ -265,6 +265,38 @@ def test_slow_targets_leaving_drafter_gpus_idle_a_third_of_the_time_warn_and_rea
     assert ("info", "targets_bottleneck", "pipeline") in kinds(run(blind))
 
 
+def test_every_busy_or_waiting_state_has_a_limit() -> None:
+    """A drafter "compiling" 20 minutes with a full GPU at 2% was "healthy": the state excused it."""
+    stuck = with_gpu(sample(), 2, util_gpu=2.0, mem_used_mb=140_000.0)
+    stuck = with_worker(stuck, "drafter-0", state="compiling", state_age_s=1200.0, progress_age_s=1200.0)
+    f = [x for x in run(stuck) if x.severity != "info"]  # (GPU 3, the one busy drafter GPU: info)
+    assert kinds(f) == [("critical", "stuck_worker", "drafter-0")]
+    assert "compiling for 20 min, past its limit of 15 min (compile_limit_s" in f[0].message
+    assert "its GPU is at 2%" in f[0].message and exit_code(f) == 2
+    # The run's own compiles set the limit where it has them: 4x its longest (40 s), at least 120 s.
+    history = dict(
+        stuck, events=[{"t": T0 - 900, "event": "compiled", "worker": "drafter-0", "seconds": 40.0}]
+    )
+    quick = with_worker(history, "drafter-0", state="compiling", state_age_s=200.0, progress_age_s=200.0)
+    f = [x for x in run(quick) if x.severity != "info"]
+    assert kinds(f) == [("critical", "stuck_worker", "drafter-0")]
+    assert (
+        "past its limit of 160 s (4x this run's longest compile so far (40 s, 1 compile(s)))" in f[0].message
+    )
+    within = run(with_worker(quick, "drafter-0", state_age_s=100.0))
+    assert [x for x in within if x.severity != "info"] == [], "within the run's own limit"
+    # The other busy states are critical past their limits; waiting on a queue is a warning.
+    for state, age, severity in (("checkpointing", 700.0, "critical"), ("starting", 1000.0, "critical"),
+                                 ("waiting_input", 700.0, "warning"), ("waiting_output", 700.0, "warning")):  # fmt: skip
+        s = with_worker(sample(), "drafter-1", state=state, state_age_s=age)
+        got = [x for x in run(s) if x.kind == "stuck_worker"]
+        assert [(x.severity, x.subject) for x in got] == [(severity, "drafter-1")], (state, got)
+        assert run(with_worker(sample(), "drafter-1", state=state, state_age_s=age / 2 - 60)) == [], state
+    # A healthy run, and a job whose heartbeats predate state_since, stay quiet.
+    assert run(sample()) == []
+    assert run(with_worker(sample(), "drafter-0", state="compiling", state_age_s=None)) == []
+
+
 def test_hidden_states_piling_up_means_slower_drafters() -> None:
     s = _queues(sample(), [50, 50], [8])
     s = with_worker(with_worker(s, "target-0", state="waiting_output"), "target-1", state="waiting_output")
