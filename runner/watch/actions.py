@@ -9,6 +9,9 @@
 - A job that stopped for any reason but `completed` or a signal (its group's restarts spent, a
   target death) is relaunched through its backend: same run directory, so it resumes from the
   newest checkpoint.
+- A worker on a GPU with a hardware fault (a critical XID, a lost GPU, uncorrected ECC errors) is
+  left alone, and a stopped job on such a GPU is not relaunched: a restart would land on the GPU
+  again. The findings say to drain it.
 - Targets are never touched unless asked (--restart-targets). Kills and relaunches are capped per
   time window (--max-restarts per --restart-window: Policy.max_actions, Policy.window_s). Only the
   watch holding the run's watch lock acts (the sampler holds it on the host). Every finding, every
@@ -30,6 +33,7 @@ from typing import Any
 
 from runner.errors import RunnerError
 from runner.rundir import clean_stop
+from runner.watch.detect_gpus import faulted_gpus
 from runner.watch.findings import Finding, stop_reason
 from runner.watch.snapshot import Snapshot, WorkerView
 
@@ -106,7 +110,12 @@ def plan_actions(
     if not policy.restart:
         return []
     out: list[Action] = []
+    # A GPU hardware fault comes first: killing the worker on it would restart the group onto it,
+    # and a relaunch would place the job on it again. A person drains it (the findings say how).
+    faulted = faulted_gpus(findings)
     for w in _hung_workers(snap, findings, policy):
+        if w.gpu_index in faulted:
+            continue
         pid = w.host_pid or w.pid
         if pid in state.killed:
             continue
@@ -122,7 +131,8 @@ def plan_actions(
     reason = stop_reason(findings)
     ended_badly = reason is not None and not clean_stop(reason)
     recent = state.relaunched_at is not None and now - state.relaunched_at < 120
-    if ended_badly and can_relaunch and not recent and not _capped(state, policy, now):
+    on_faulted = any(w.gpu_index in faulted for w in snap.workers)
+    if ended_badly and can_relaunch and not recent and not on_faulted and not _capped(state, policy, now):
         out.append(Action(action="relaunch", subject="run",
                           detail=f"the job stopped ({reason or 'no final event'}): relaunch, resume from the newest checkpoint"))  # fmt: skip
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from runner.watch.findings import Finding, Severity
@@ -38,24 +39,73 @@ def gpu_xid(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
         if isinstance(xid, int) and isinstance(t, (int, float)) and t >= snap.t - th.xid_window_s:
             key = (gpu if isinstance(gpu, int) else -1, xid)
             seen[key] = seen.get(key, 0) + 1
+    names = {x.get("gpu"): x.get("name") for x in snap.xids if isinstance(x.get("name"), str)}
     out = []
     for (gpu, xid), count in sorted(seen.items()):
         severity, words = XIDS.get(xid, ("warning", "see NVIDIA's XID catalog"))
         g = snap.gpu(gpu)
-        who = ", ".join(g.workers) if g is not None else ""
+        name = (g.name if g is not None else None) or names.get(gpu)
+        who = ", ".join(x for x in (name, *(g.workers if g is not None else ())) if x)
+        where = f"GPU {gpu}" if gpu >= 0 else "a GPU NVML could not name"
         out.append(
             Finding(
                 severity=severity,
                 kind="gpu_xid",
-                subject=f"GPU {gpu}",
-                message=f"GPU {gpu}{f' ({who})' if who else ''}: XID {xid} x{count}: {words}",
+                subject=f"GPU {gpu}" if gpu >= 0 else "GPU ?",
+                message=f"{where}{f' ({who})' if who else ''}: XID {xid} x{count}: {words}",
                 advice=(
-                    "hardware XIDs need the GPU drained and checked (nvidia-smi -q, dmesg, a reset or RMA); "
-                    "application XIDs point at the worker's log"
+                    f"a hardware fault: {DRAIN}"
+                    if severity == "critical"
+                    else "an application XID: read the log "
+                    "of the worker on that GPU; if it recurs with no application error, check the GPU (nvidia-smi -q, dmesg)"
                 ),
-                numbers={"gpu": gpu, "xid": xid, "count": count},
+                numbers={"gpu": gpu, "name": name, "xid": xid, "count": count},
             )
         )
+    return out
+
+
+DRAIN = (
+    "drain the GPU: stop the run (dflashctl stop RUN), reset it (nvidia-smi -r) or reboot the host, check "
+    "dmesg and nvidia-smi -q (RMA if it recurs), then relaunch without it (pipeline.target_devices / "
+    "drafter_devices) or on another host; watch does not restart a worker onto it"
+)
+HARDWARE_KINDS = ("gpu_xid", "gpu_fault", "gpu_ecc")
+
+
+def faulted_gpus(findings: Sequence[Finding]) -> dict[int, str]:
+    """GPU index -> what is wrong with it, for each GPU with a hardware fault among the findings
+    (a critical XID, a GPU NVML reports lost or failing, uncorrected ECC errors)."""
+    out: dict[int, str] = {}
+    for f in findings:
+        gpu = f.numbers.get("gpu")
+        if f.kind in HARDWARE_KINDS and f.severity == "critical" and isinstance(gpu, int) and gpu >= 0:
+            out.setdefault(gpu, f.message)
+    return out
+
+
+def fault_precedence(snap: Snapshot, findings: list[Finding]) -> list[Finding]:
+    """A GPU hardware fault comes before the worker on it: a dead, hung, stuck or out-of-memory
+    worker on a faulted GPU gets the drain advice (a restart onto the GPU fails again), with the
+    GPU's index and name in its numbers."""
+    faulted = faulted_gpus(findings)
+    if not faulted:
+        return findings
+    on_gpu = {w.name: w.gpu_index for w in snap.workers}
+    out = []
+    for f in findings:
+        gpu = on_gpu.get(f.subject)
+        if f.kind == "likely_oom":
+            gpu = f.numbers.get("gpu")
+        if f.kind not in HARDWARE_KINDS and isinstance(gpu, int) and gpu in faulted:
+            g = snap.gpu(gpu)
+            name = g.name if g is not None else None
+            f = dataclasses.replace(
+                f,
+                advice=f"GPU {gpu}{f' ({name})' if name else ''} has a hardware fault ({faulted[gpu]}): {DRAIN}",
+                numbers={**f.numbers, "gpu": gpu, "gpu_name": name, "gpu_fault": faulted[gpu]},
+            )
+        out.append(f)
     return out
 
 
@@ -64,15 +114,16 @@ def gpu_health(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     out = []
     for g in snap.gpus:
         who = f" ({', '.join(g.workers)})" if g.workers else ""
+        named = f" [{g.name}]" if g.name else ""
         if g.faults:
             out.append(
                 Finding(
                     severity="critical",
                     kind="gpu_fault",
                     subject=f"GPU {g.index}",
-                    message=f"GPU {g.index}{who}: NVML reports {', '.join(g.faults)}",
-                    advice="drain the GPU: reset it (nvidia-smi -r) or reboot the host; move the workers elsewhere",
-                    numbers={"gpu": g.index, "faults": list(g.faults)},
+                    message=f"GPU {g.index}{named}{who}: NVML reports {', '.join(g.faults)}",
+                    advice=DRAIN,
+                    numbers={"gpu": g.index, "name": g.name, "faults": list(g.faults)},
                 )
             )
         if g.ecc_uncorrected:
@@ -81,9 +132,9 @@ def gpu_health(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                     severity="critical",
                     kind="gpu_ecc",
                     subject=f"GPU {g.index}",
-                    message=f"GPU {g.index}{who}: {g.ecc_uncorrected} uncorrected ECC errors since the driver loaded",
-                    advice="results computed on it may be wrong: drain it, reset it, and report it if errors recur",
-                    numbers={"gpu": g.index, "ecc_uncorrected": g.ecc_uncorrected},
+                    message=f"GPU {g.index}{named}{who}: {g.ecc_uncorrected} uncorrected ECC errors since the driver loaded",
+                    advice=f"results computed on it may be wrong: {DRAIN}",
+                    numbers={"gpu": g.index, "name": g.name, "ecc_uncorrected": g.ecc_uncorrected},
                 )
             )
         slow = [r for r in (g.throttle or ()) if r in SLOWDOWNS]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from runner.watch.detect_gpus import gpu_health, gpu_xid, nvml_state
+from runner.watch.detect_gpus import fault_precedence, gpu_health, gpu_xid, nvml_state
 from runner.watch.detect_pipeline import (
     bottleneck,
     busy_gpu,
@@ -81,4 +81,4 @@ def detect(history: Sequence[Snapshot], thresholds: Thresholds | None = None) ->
                     numbers={},
                 )
             )
-    return sort_findings(out)
+    return sort_findings(fault_precedence(history[-1], out))

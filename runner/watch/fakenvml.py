@@ -60,8 +60,16 @@ class FakeGPU:
 
 
 class _Handle:
+    """A device handle: equal for the same device, as pynvml's pointers hold the same address."""
+
     def __init__(self, index: int) -> None:
         self.index = index
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Handle) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash(("fake-nvml-device", self.index))
 
     def __repr__(self) -> str:
         return f"<fake GPU handle {self.index}>"

@@ -106,6 +106,21 @@ CLOCK_REASONS = (
 """Bits of nvmlDeviceGetCurrentClocksEventReasons (formerly ...ThrottleReasons), in words."""
 
 
+def _handle_key(h: Any) -> Any:
+    """A device handle as a dictionary key: pynvml's are ctypes pointers, a new object per call for
+    the same device, so their address; anything else (a test's fake) as itself."""
+    import ctypes
+
+    try:
+        return ("ptr", ctypes.cast(h, ctypes.c_void_p).value)
+    except (ctypes.ArgumentError, TypeError):
+        try:
+            hash(h)
+        except TypeError:
+            return ("id", id(h))
+        return ("obj", h)
+
+
 def decode_clock_reasons(mask: Any) -> Any:
     if not isinstance(mask, int):
         return NA
@@ -192,6 +207,10 @@ class NVML:
         self._unavailable: str | None = None
         self._init_tried_at = -1e18
         self._handles: dict[int, Any] = {}
+        self._known: dict[int, dict[str, Any]] = {}
+        """Each GPU's last readable name and uuid: a GPU that falls off the bus keeps them in findings."""
+        self._xid_index: dict[Any, int] = {}
+        """Registered handles -> index: an XID of a lost GPU is placed where nvmlDeviceGetIndex fails."""
         self._count: Any = NA
         self._proc_calls: dict[str, str] = {}
         self._events: Any = None  # None: not registered yet; NA: XID events unsupported
@@ -283,6 +302,12 @@ class NVML:
             for k in _GPU_FIELDS:
                 out.setdefault(k, NA)
             out.setdefault("faults", {})
+        known = self._known.setdefault(index, {})
+        for k in ("name", "uuid"):
+            if isinstance(out.get(k), str) and out[k]:
+                known[k] = out[k]
+            elif k in known:
+                out[k] = known[k]  # the name and uuid do not change; a lost GPU no longer says them
         return out
 
     def _read_gpu(self, index: int, out: dict[str, Any]) -> None:
@@ -375,7 +400,10 @@ class NVML:
             if data is NA:  # NVML_ERROR_TIMEOUT: nothing (more) happened
                 break
             gpu = self.call("nvmlDeviceGetIndex", data.device)
-            out.append({"t": time.time(), "gpu": gpu, "xid": int(data.eventData)})
+            if gpu is NA:  # the GPU the XID is about may be the one that no longer answers
+                gpu = self._xid_index.get(_handle_key(data.device), NA)
+            known = self._known.get(gpu, {}) if isinstance(gpu, int) else {}
+            out.append({"t": time.time(), "gpu": gpu, "xid": int(data.eventData), **known})
             wait_ms = 0
         return out
 
@@ -391,6 +419,7 @@ class NVML:
             h = self._handle(i)
             if h is not NA and self.call("nvmlDeviceRegisterEvents", h, EVENT_XID_CRITICAL, events) is None:
                 registered += 1
+                self._xid_index[_handle_key(h)] = i
         return events if registered else NA
 
     def pcie_throughput(self, index: int) -> dict[str, Any]:
