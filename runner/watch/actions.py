@@ -160,6 +160,53 @@ class Actor:
         """What the dashboard lists, oldest first: {t, event: action | recovered, action, subject,
         detail, ok[, error, target_pid]}."""
 
+    def standing(self, snap: Snapshot, findings: Sequence[Finding]) -> list[Finding]:
+        """watch says when it stops acting: with its kills and relaunches spent (Policy.max_actions
+        per Policy.window_s), a finding lists what it did, when it may act again, and what a person
+        should do; critical while a finding calls for an action watch now withholds."""
+        now = self.clock()
+        if not self.policy.restart or not _capped(self.state, self.policy, now):
+            return []
+        start = now - self.policy.window_s
+        did = [
+            d
+            for d in self.done
+            if d.get("event") == "action" and d["t"] >= start and d["action"] != "terminate"
+        ]
+        words = ", ".join(
+            f"{d['action']} {d['subject']} at {time.strftime('%H:%M:%S', time.localtime(d['t']))}"
+            for d in did
+        )
+        until = self.state.taken[0] + self.policy.window_s
+        reason = stop_reason(findings)
+        wanted = [w.name for w in _hung_workers(snap, findings, self.policy)]
+        if reason is not None and not clean_stop(reason) and self.relaunch is not None:
+            wanted.append("a relaunch of the stopped job")
+        held = f"; it would now act on {', '.join(wanted)}" if wanted else ""
+        return [
+            Finding(
+                severity="critical" if wanted else "warning",
+                kind="watch_capped",
+                subject="watch",
+                message=(
+                    f"watch has spent its {self.policy.max_actions} kills and relaunches of the last "
+                    f"{self.policy.window_s / 60:.0f} min ({words or 'see events.jsonl'}) and will not act again "
+                    f"until {time.strftime('%H:%M:%S', time.localtime(until))} (in {(until - now) / 60:.0f} min){held}"
+                ),
+                advice=(
+                    "the same failure keeps coming back, so restarting is not fixing it: read the findings above "
+                    "and the workers' logs, fix the cause (a GPU to drain, a config to change), then "
+                    "`dflashctl stop RUN` and run it again; --max-restarts/--restart-window set the cap"
+                ),
+                numbers={
+                    "max_actions": self.policy.max_actions,
+                    "window_s": self.policy.window_s,
+                    "until": until,
+                    "withheld": wanted,
+                },  # fmt: skip
+            )
+        ]
+
     def report(self, snap: Snapshot, findings: Sequence[Finding]) -> None:
         """Append each finding once when it appears (again after it cleared), and recoveries."""
         now = self.clock()

@@ -20,7 +20,7 @@ from runner.rundir import RunLocation, append_event, clean_stop
 from runner.watch.actions import Actor, Policy, signal_args
 from runner.watch.baseline import key_of, update_from_healthy_run
 from runner.watch.bundle import sampler_argv
-from runner.watch.findings import Finding, exit_code, stop_reason
+from runner.watch.findings import Finding, exit_code, sort_findings, stop_reason
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
 from runner.watch.watcher import Watcher, start_sampler
@@ -135,6 +135,7 @@ class WatchSession:
                 hw.revive(self.thresholds.sampler_silent_s)
             hw.snap, hw.findings = hw.watcher.refresh(timeout=max(0.0, deadline - time.monotonic()))
             if hw.acting and hw.snap is not None and hw.snap.t > 0:
+                hw.findings = sort_findings([*hw.findings, *hw.actor.standing(hw.snap, hw.findings)])
                 hw.actor.report(hw.snap, hw.findings)
                 hw.actor.act(hw.snap, hw.findings)
             uptime = max((w.uptime_s or 0 for w in hw.snap.workers), default=0) if hw.snap else 0

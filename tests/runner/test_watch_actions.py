@@ -109,6 +109,32 @@ class Host:
                      clock=lambda: clock[0])  # fmt: skip
 
 
+def test_spent_caps_are_a_finding_with_what_watch_did_and_until_when() -> None:
+    """watch at its cap said nothing and ran on silently: now a finding says what it did, when it
+    may act again and what a person should do; critical while it withholds an action."""
+    clock = [T0]
+    host = Host()
+    actor = host.actor(Policy(grace_s=0, max_actions=1, window_s=600), clock)
+    snap, findings = judged(**{"drafter-0": {**FROZEN, "pid": 1002, "host_pid": 1002}})
+    assert actor.standing(snap, findings) == [], "under the cap: nothing to say"
+    actor.act(snap, findings)
+    clock[0] += 1
+    actor.act(snap, findings)  # SIGKILL: the one action of the window
+    clock[0] += 60
+    snap, findings = judged(**{"drafter-0": {**FROZEN, "pid": 2002, "host_pid": 2002}})  # hung again
+    (f,) = actor.standing(snap, findings)
+    assert (f.severity, f.kind, f.subject) == ("critical", "watch_capped", "watch")
+    assert "spent its 1 kills and relaunches of the last 10 min (kill drafter-0 at " in f.message
+    assert "will not act again until " in f.message and "(in 9 min)" in f.message
+    assert "it would now act on drafter-0" in f.message and "dflashctl stop RUN" in f.advice
+    assert f.numbers["until"] == T0 + 1 + 600 and actor.act(snap, findings) == []
+    healthy, quiet = judged()
+    (g,) = actor.standing(healthy, quiet)
+    assert g.severity == "warning" and "would now act" not in g.message, "spent, with nothing withheld"
+    clock[0] = T0 + 602
+    assert actor.standing(healthy, quiet) == [], "the window passed: watch acts again"
+
+
 def test_restarts_are_capped_per_window() -> None:
     """Each kill and relaunch counts; at the cap watch only reports until the window has passed."""
     clock = [T0]
