@@ -400,9 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - a line that cannot be made is said, and the next one tried
                 # On stderr, which watch merges into its noise: with no sample for sampler_silent_s
                 # it becomes a critical finding quoting this line.
-                print(
-                    f"sampler: no sample this interval: {type(e).__name__}: {e}", file=sys.stderr, flush=True
-                )
+                sys.stderr.write(f"sampler: no sample this interval: {type(e).__name__}: {e}\n")
+                sys.stderr.flush()
                 if args.once:
                     return 1
             else:
