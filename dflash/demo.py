@@ -174,12 +174,16 @@ def build_tiny_tokenizer(num_merges: int = 96):  # -> transformers tokenizer
 _MARKER = "dflash_tiny.json"
 
 
+def _tiny_spec(layers: int, hidden: int, seed: int, tie_embeddings: bool) -> dict[str, int | bool]:
+    """What a tiny target's weights depend on: its marker file holds this."""
+    return {"version": 1, "layers": layers, "hidden": hidden, "seed": seed, "tie": tie_embeddings}
+
+
 def tiny_target_ready(
     path: Path, *, layers: int, hidden: int, seed: int, tie_embeddings: bool = False
 ) -> bool:
     """A complete tiny target with these parameters is at `path` (read only: nothing is built)."""
-    spec = {"version": 1, "layers": layers, "hidden": hidden, "seed": seed, "tie": tie_embeddings}
-    return _tiny_complete(Path(path), spec)
+    return _tiny_complete(Path(path), _tiny_spec(layers, hidden, seed, tie_embeddings))
 
 
 def _tiny_complete(path: Path, spec: dict[str, int | bool]) -> bool:
@@ -225,13 +229,7 @@ def make_tiny_target(
     a complete one with the same parameters exists; built in a temp dir and renamed into place."""
     path = Path(path)
     check_tiny(layers, hidden)
-    spec: dict[str, int | bool] = {
-        "version": 1,
-        "layers": layers,
-        "hidden": hidden,
-        "seed": seed,
-        "tie": tie_embeddings,
-    }
+    spec = _tiny_spec(layers, hidden, seed, tie_embeddings)
     if _tiny_complete(path, spec):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

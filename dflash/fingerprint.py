@@ -184,16 +184,14 @@ def main(argv: list[str] | None = None) -> None:
             from dflash.errors import DFlashError
 
             try:
-                cfg = load_config(args.config, args.sets)
-                if args.read_only and cfg.target.path == "tiny":
-                    from dflash.session import tiny_target_built
+                from dflash.session import tiny_target_built
 
-                    if not tiny_target_built(cfg):
-                        with tempfile.TemporaryDirectory(prefix="dflash-fingerprint-") as scratch:
-                            cfg = load_config(args.config, [*args.sets, f"run.runs_root={scratch}"])
-                            fp = cache_fingerprint(cfg)
-                    else:
-                        fp = cache_fingerprint(cfg)
+                cfg = load_config(args.config, args.sets)
+                if args.read_only and cfg.target.path == "tiny" and not tiny_target_built(cfg):
+                    with tempfile.TemporaryDirectory(prefix="dflash-fingerprint-") as scratch:
+                        fp = cache_fingerprint(
+                            load_config(args.config, [*args.sets, f"run.runs_root={scratch}"])
+                        )
                 else:
                     fp = cache_fingerprint(cfg)
             except DFlashError as e:  # bad input: one line, not a traceback

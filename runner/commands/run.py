@@ -47,10 +47,6 @@ def _render(plan: RunPlan) -> None:
         console.print(f"  command   {shell_line(hp, log=False)}", highlight=False, soft_wrap=True)
 
 
-def _config_value(config: Path, sets: list[str], dotted: str, default: object) -> object:
-    return config_value(config, sets, dotted, default)
-
-
 def _check_local_runs_root(runs_root: str) -> None:
     """The runs root on this machine must be, or be creatable as, a directory we can write: refused
     here, in one message, instead of at mkdir after every check has run."""
@@ -112,7 +108,7 @@ def register(app: typer.Typer) -> None:
             for h in hosts or []:
                 remote.parse_host(h)  # every host refused here, before any probe of the first
             if not hosts:
-                _check_local_runs_root(runs_root or str(_config_value(config, sets, "run.runs_root", "runs")))
+                _check_local_runs_root(runs_root or str(config_value(config, sets, "run.runs_root", "runs")))
             img = job_image(image, variant) if backend == "docker" else image
             req = Request(
                 config=str(config),
@@ -133,7 +129,7 @@ def register(app: typer.Typer) -> None:
                 req.name = check_name(name)
             else:
                 req.name = check_name(
-                    str(_config_value(config, sets, "run.name", "dflash")), origin=f"run.name of {config}"
+                    str(config_value(config, sets, "run.name", "dflash")), origin=f"run.name of {config}"
                 )
             run_id = new_run_id(req.name)
             st = Store(store)

@@ -68,11 +68,12 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _follow(cli: Cli, ref: str) -> subprocess.Popen[str]:
+def _follow(cli: Cli, ref: str, *, stderr: int | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "runner.cli", "logs", ref, "--follow", "-n", "1"],
         env=cli.env,
         stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         preexec_fn=_sigint_default,
     )
@@ -128,15 +129,12 @@ def test_logs_follow_stops_when_asked_and_does_not_follow_an_ended_run(
     )
 
 
-def _follow_err(cli: Cli, ref: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner.cli", "logs", ref, "--follow", "-n", "1"],
-        env=cli.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_sigint_default,
-    )
+def _follow_then_remove(cli: Cli, run_dir: Path, ref: str, says: str = "") -> tuple[int, str]:
+    """Follow a registered run's log, see its last line, remove its directory: how following ends."""
+    logs = _follow(cli, ref, stderr=subprocess.PIPE)
+    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n", says
+    shutil.rmtree(run_dir)
+    return _ends(logs)
 
 
 def _ends(logs: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str]:
@@ -157,20 +155,14 @@ def test_logs_follow_returns_when_the_run_directory_goes_away(
     run_dir = _run_dir(tmp_path, "rm", {"t": time.time(), "event": "launched"})
     _hold(run_dir, holder)
     _register(cli, run_dir)
-    logs = _follow_err(cli, "rm")
-    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n"
-    shutil.rmtree(run_dir)
-    code, err = _ends(logs)
+    code, err = _follow_then_remove(cli, run_dir, "rm")
     assert code == 1 and "is gone: nothing more to follow" in err, err
 
     early = _run_dir(tmp_path, "early")
     (early / "run.json").write_text("[1, 2")  # torn: the job has not written it yet
     (early / "events.jsonl").write_bytes(b"\xff\xfe garbage\n")
     _register(cli, early)
-    logs = _follow_err(cli, "early")
-    assert logs.stdout is not None and logs.stdout.readline() == "old 2\n", "a starting run is followed"
-    shutil.rmtree(early)
-    code, err = _ends(logs)
+    code, err = _follow_then_remove(cli, early, "early", "a starting run is followed")
     assert code == 1 and "is gone" in err and "Traceback" not in err, err
 
 
@@ -179,7 +171,7 @@ def test_logs_follow_returns_when_a_starting_run_ends(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path, "brief")
     (run_dir / "run.json").write_text(json.dumps({"format": 1}))  # no job yet: starting
     _register(cli, run_dir)
-    logs = _follow_err(cli, "brief")
+    logs = _follow(cli, "brief", stderr=subprocess.PIPE)
     assert logs.stdout is not None and logs.stdout.readline() == "old 2\n"
     with (run_dir / "logs" / "supervisor.log").open("a") as f:
         f.write("last words\n")

@@ -25,6 +25,11 @@ def _judge(s: dict[str, Any]) -> tuple[Any, list[Any]]:
     return snap, detect(history.snapshots)
 
 
+def _acts(snap: Any, findings: list[Any]) -> list[str]:
+    """What a fresh acting watch would do now (restarts on, a relaunch possible)."""
+    return [a.action for a in plan_actions(snap, findings, ActorState(), Policy(), now=T0, can_relaunch=True)]
+
+
 def _with(s: dict[str, Any], **drafter0: Any) -> dict[str, Any]:
     s = copy.deepcopy(s)
     s["workers"]["drafter-0"].update(drafter0)
@@ -57,17 +62,12 @@ def test_the_drain_advice_replaces_the_restart_advice_and_watch_does_not_act() -
     assert hung.subject == "drafter-0" and hung.advice.startswith("GPU 2 (NVIDIA H200) has a hardware fault")
     assert "restarts its drafter group by itself" not in hung.advice
     assert (hung.numbers["gpu"], hung.numbers["gpu_name"]) == (2, "NVIDIA H200")
-    state = ActorState()
-    assert plan_actions(snap, findings, state, Policy(), now=T0, can_relaunch=True) == [], (
-        "no kill onto a lost GPU"
-    )
+    assert _acts(snap, findings) == [], "no kill onto a lost GPU"
     # The same hung drafter on a healthy GPU is killed (the group restarts): the fault is what holds watch.
     healthy_gpu = copy.deepcopy(frozen)
     healthy_gpu["xid"] = []
     snap, findings = _judge(healthy_gpu)
-    assert [
-        a.action for a in plan_actions(snap, findings, ActorState(), Policy(), now=T0, can_relaunch=True)
-    ] == ["terminate"]
+    assert _acts(snap, findings) == ["terminate"]
 
 
 def test_a_stopped_job_on_a_lost_gpu_is_not_relaunched() -> None:
@@ -80,12 +80,9 @@ def test_a_stopped_job_on_a_lost_gpu_is_not_relaunched() -> None:
     ]
     snap, findings = _judge(s)
     assert ("critical", "gpu_fault", "GPU 2") in [(f.severity, f.kind, f.subject) for f in findings]
-    assert plan_actions(snap, findings, ActorState(), Policy(), now=T0, can_relaunch=True) == []
+    assert _acts(snap, findings) == []
     s["gpus"][2]["faults"] = {}
-    snap, findings = _judge(s)
-    assert [
-        a.action for a in plan_actions(snap, findings, ActorState(), Policy(), now=T0, can_relaunch=True)
-    ] == ["relaunch"]
+    assert _acts(*_judge(s)) == ["relaunch"]
 
 
 def test_an_application_xid_keeps_the_worker_advice() -> None:
