@@ -9,10 +9,12 @@ incident). With the target GPUs busy instead, the target forward is simply the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from runner.watch.findings import Finding, Severity
 from runner.watch.signals import (
+    fmt_clock,
     fmt_duration,
     fmt_pct,
     fmt_range,
@@ -25,6 +27,7 @@ from runner.watch.signals import (
     util_now,
 )
 from runner.watch.snapshot import Pipeline, Snapshot, WorkerView
+from runner.watch.steady import world_of
 from runner.watch.thresholds import Thresholds
 
 
@@ -267,25 +270,74 @@ def throughput_vs_baseline(history: Sequence[Snapshot], th: Thresholds) -> list[
     ]
 
 
+STEADY_BAND = 0.9
+"""A record at or above this share of the steady reference is still steady: the slide began after
+the last such record."""
+
+
+def _steady_records(snap: Snapshot, th: Thresholds, world: int | None) -> list[Mapping[str, Any]]:
+    """Records past the warm-up with a tok/s and a time, at this world size, oldest first."""
+    out = []
+    for m in snap.metrics:
+        if world_of(m) != world or not all(isinstance(m.get(k), (int, float)) for k in ("tok_s", "t")):
+            continue
+        elapsed = m.get("elapsed_s")
+        if isinstance(elapsed, (int, float)) and elapsed >= th.warmup_s:
+            out.append(m)
+    return out
+
+
 def eta_blowup(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    """The run slowed down: its newest `slowdown_records` records all run `eta_blowup` times below the
+    run's steady reference (runner.watch.steady), so its ETA is that many times what the steady rate
+    gives. Judged against the best sustained rate, which a slide cannot drag along, and on a few
+    records, so a sudden drop is seen within seconds of records."""
     snap = history[-1]
-    etas = _steady(snap, "eta_s", th)
-    if len(etas) <= th.eta_min_history:
+    world = world_of(snap.metrics[-1]) if snap.metrics else None
+    ref = snap.reference
+    recs = _steady_records(snap, th, world)
+    newest = recs[-th.slowdown_records :]
+    if ref is None or len(newest) < th.slowdown_records or newest[0]["t"] <= ref.t:
         return []
-    now, before = etas[-1], median(etas[:-1])
-    if before <= 0 or now <= th.eta_blowup * before:
+    now_tok = max(float(m["tok_s"]) for m in newest)
+    if now_tok <= 0 or ref.tok_s < th.eta_blowup * now_tok:
         return []
+    factor = ref.tok_s / now_tok
+    since_ref = [m for m in recs if m["t"] > ref.t]
+    steady_last = next((i for i in range(len(since_ref) - 1, -1, -1)
+                        if since_ref[i]["tok_s"] >= STEADY_BAND * ref.tok_s), None)  # fmt: skip
+    began = since_ref[0 if steady_last is None else min(steady_last + 1, len(since_ref) - 1)]
+    last = newest[-1]
+    span = float(last["t"]) - float(began["t"])
+    eta = last.get("eta_s")
+    eta_part = ""
+    if isinstance(eta, (int, float)) and eta > 0:
+        eta_part = f"; ETA {fmt_duration(eta)} is {factor:.1f}x the {fmt_duration(eta / factor)} the steady rate gives"
+    steps = ""
+    if isinstance(began.get("step"), int) and isinstance(last.get("step"), int):
+        steps = f", steps {began['step']}-{last['step']}"
     return [
         Finding(
             severity="warning",
             kind="eta_blowup",
             subject="run",
             message=(
-                f"ETA {fmt_duration(now)} is {now / before:.1f}x this run's earlier median "
-                f"{fmt_duration(before)}: it slowed down"
+                f"throughput fell to {fmt_tok(now_tok)} from this run's steady {fmt_tok(ref.tok_s)} "
+                f"({now_tok / ref.tok_s:.0%}) over {fmt_duration(span)}, from {fmt_clock(began['t'])} "
+                f"to {fmt_clock(last['t'])}{steps}{eta_part}: it slowed down"
             ),
             advice="the findings above say where; if none does, compare tok/s and the GPU rows with earlier",
-            numbers={"eta_s": now, "earlier_median_eta_s": before},
+            numbers={
+                "tok_s": now_tok,
+                "steady_tok_s": ref.tok_s,
+                "steady_t": ref.t,
+                "steady_step": ref.step,
+                "factor": factor,
+                "slide_start_t": float(began["t"]),
+                "now_t": float(last["t"]),
+                "span_s": span,
+                "eta_s": eta,
+            },
         )
     ]
 

@@ -4,6 +4,7 @@ process, and numbers written the way the findings quote them."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 
 from runner.watch.snapshot import Snapshot, WorkerView
@@ -92,6 +93,11 @@ def fmt_duration(s: float | None) -> str:
     if s < 172800:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} d"
+
+
+def fmt_clock(t: float) -> str:
+    """A wall-clock time as the run's records and events carry it, in UTC."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t))
 
 
 def fmt_tok(x: float | None) -> str:

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runner.watch.steady import Reference, SteadyRate, world_of
+
 NA_TEXT = "n/a"
 DEFAULT_PREFETCH_DEPTH = 50
 DEFAULT_QUEUE_DEPTH = 8
@@ -125,6 +127,8 @@ class Snapshot:
     run_dir_exists: bool = True
     baseline_tok_s: float | None = None
     """This fingerprint's and config's healthy tok/s (runner.watch.baseline), if one is stored."""
+    reference: Reference | None = None
+    """This run's best sustained tok/s at the newest record's world size (runner.watch.steady)."""
     sample_age_s: float = 0.0
     """Seconds since the sampler's newest line arrived (the sampler may be silent)."""
     source: str = "ok"
@@ -265,6 +269,7 @@ class History:
         self.xids: collections.deque[Mapping[str, Any]] = collections.deque(maxlen=max_xids)
         self.manifest: Mapping[str, Any] = {}
         self.baseline_tok_s = baseline_tok_s
+        self.steady = SteadyRate()
 
     @property
     def latest(self) -> Snapshot | None:
@@ -274,7 +279,10 @@ class History:
         """Fold one sampler line in and return the Snapshot it makes."""
         if isinstance(sample.get("manifest"), Mapping):
             self.manifest = sample["manifest"]
-        self.metrics.extend(m for m in sample.get("metrics", []) if isinstance(m, Mapping))
+        for m in sample.get("metrics", []):
+            if isinstance(m, Mapping):
+                self.metrics.append(m)
+                self.steady.add(m)
         self.events.extend(e for e in sample.get("events", []) if isinstance(e, Mapping))
         xid = sample.get("xid")
         if isinstance(xid, list):
@@ -297,6 +305,7 @@ class History:
             run_dir=str(sample.get("run_dir", "")),
             run_dir_exists=bool(sample.get("run_dir_exists", True)),
             baseline_tok_s=self.baseline_tok_s,
+            reference=self.steady.reference(world_of(self.metrics[-1]) if self.metrics else None),
             damage=tuple(str(d) for d in sample.get("damage") or () if isinstance(d, str)),
             source_errors=tuple(
                 (str(e.get("source")), str(e.get("error")))

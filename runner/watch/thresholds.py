@@ -67,10 +67,11 @@ class Thresholds:
     """tok/s below this fraction of the stored baseline (same fingerprint and config) is degraded."""
     throughput_window: int = 5
     """Metrics records whose median tok/s is compared (one slow interval is not a trend)."""
-    eta_blowup: float = 3.0
-    """ETA above this multiple of the median of the run's earlier ETAs is a blow-up."""
-    eta_min_history: int = 5
-    """Earlier records (after warm-up) needed before an ETA blow-up is judged."""
+    eta_blowup: float = 2.0
+    """tok/s this many times below the run's steady reference (its best sustained rate, which a slide
+    cannot drag down: runner.watch.steady), so the ETA this many times what the steady rate gives."""
+    slowdown_records: int = 3
+    """The newest records (after warm-up) that must all be that slow: one slow interval is no slowdown."""
     metrics_stale_intervals: float = 6.0
     """No metrics record for this many status intervals (run.status_interval_s) while the job runs."""
     xid_window_s: float = 3600.0
@@ -159,7 +160,7 @@ RANGES: dict[str, tuple[float, float | None, bool, str]] = {
     "degraded_frac": _SHARE,
     "throughput_window": (1, None, False, "a count of 1 or more"),
     "eta_blowup": (1.0, None, True, "a factor above 1"),
-    "eta_min_history": (1, None, False, "a count of 1 or more"),
+    "slowdown_records": (1, None, False, "a count of 1 or more"),
     "metrics_stale_intervals": (0.0, None, True, "a number of intervals above 0"),
     "xid_window_s": _SECONDS,
     "sampler_silent_s": _SECONDS,

@@ -345,12 +345,64 @@ def test_throughput_not_judged_during_warm_up() -> None:
     assert run(s, baseline=20800) == []
 
 
-def test_eta_blowup_against_the_runs_own_history() -> None:
+def _slowdown(f: list[Finding]) -> Finding | None:
+    return next((x for x in f if x.kind == "eta_blowup"), None)
+
+
+def test_a_sudden_slowdown_is_seen_within_three_records() -> None:
     day = 86400.0
-    f = run(_records([20000.0] * 8, [8 * day] * 7 + [36.9 * day]))
+    tok = [20000.0] * 8 + [4600.0] * 3
+    f = run(_records(tok, [8 * day] * 8 + [34.8 * day] * 3))
     assert kinds(f) == [("warning", "eta_blowup", "run")]
-    assert "36.9 d is 4.6x" in f[0].message
-    assert run(_records([20000.0] * 8, [8 * day] * 7 + [8.3 * day])) == []
+    msg = f[0].message
+    assert "fell to 4.6K tok/s from this run's steady 20.0K tok/s (23%)" in msg, msg
+    assert "ETA 34.8 d is 4.3x the 8.0 d the steady rate gives" in msg, msg
+    n = f[0].numbers
+    assert n["slide_start_t"] == T0 - 30 and n["now_t"] == T0 - 10 and n["span_s"] == 20
+    assert run(_records(tok[:-1])) == [], "two slow records are not yet a slowdown"
+    assert run(_records([20000.0] * 8 + [4600.0, 20000.0, 4600.0])) == [], "one fast record among them: no"
+
+
+def test_a_slow_steady_slide_is_measured_from_where_it_began() -> None:
+    # 3% slower every record: a median of recent records follows it down and never sees it.
+    tok = [20000.0] * 6 + [20000.0 * 0.97**i for i in range(1, 40)]
+    recs = _records(tok)
+    t_of = [m["t"] for m in recs["metrics"]]
+    f = _slowdown(run(recs))
+    assert f is not None, "a slide to 30% of the steady rate went unnoticed"
+    # The slide left the steady band (90%) after 18.3K tok/s, the 4th slower record.
+    assert f.numbers["slide_start_t"] == t_of[6 + 3] and f.numbers["steady_tok_s"] == 20000.0
+    assert f.numbers["span_s"] == t_of[-1] - t_of[6 + 3]
+    # Halfway down (0.97^22 = 51%) it is not yet twice as slow; one record later it is.
+    assert _slowdown(run(_records(tok[: 6 + 22]))) is None
+    assert _slowdown(run(_records(tok[: 6 + 25]))) is not None
+
+
+def test_the_steady_reference_outlives_the_record_window() -> None:
+    tok = [20000.0] * 6 + [20000.0 * 0.97**i for i in range(1, 40)]
+    history = History(max_metrics=10)  # the steady records scroll out long before the end
+    for i, m in enumerate(_records(tok)["metrics"]):
+        s = sample(t=m["t"] + 1)
+        s["metrics"] = [m]
+        if i:
+            s.pop("manifest", None)
+        history.ingest(s)
+    f = _slowdown(detect(history.snapshots))
+    assert f is not None and f.numbers["steady_tok_s"] == 20000.0
+
+
+def test_healthy_noise_a_dip_and_a_smaller_group_are_no_slowdown() -> None:
+    noisy = [20000.0 * (1 + 0.15 * ((i * 7) % 5 - 2) / 2) for i in range(40)]
+    assert _slowdown(run(_records(noisy))) is None
+    assert _slowdown(run(_records([20000.0] * 10 + [6000.0] + [20000.0] * 5))) is None
+    s = _records([20000.0] * 8 + [9000.0] * 4)
+    for m in s["metrics"]:
+        m["world_size"] = 2 if m["tok_s"] > 10000 else 1  # a drafter lost: the group of one is its own
+    assert _slowdown(run(s)) is None
+    warm = _records([20000.0] * 8 + [4600.0] * 3)
+    for m in warm["metrics"][-3:]:
+        m["elapsed_s"] = 60.0  # a new generation compiling: its first records are not judged
+    assert _slowdown(run(warm)) is None
 
 
 def test_metrics_stale_while_the_job_runs() -> None:
