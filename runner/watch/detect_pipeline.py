@@ -342,26 +342,45 @@ def eta_blowup(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     ]
 
 
+def record_cadence(snap: Snapshot) -> tuple[float, float, float | None]:
+    """(cadence, status interval, step seconds): how often this run writes a metrics record. The
+    job writes one after the step that ends a status interval, so a run whose steps are longer than
+    the interval writes one a step: the cadence is the larger of the interval, the median gap
+    between its recent records and the newest record's step time (1 / dft_bps)."""
+    interval = float(snap.config("run", "status_interval_s", default=10.0))
+    ts = [float(m["t"]) for m in snap.metrics[-11:] if isinstance(m.get("t"), (int, float))]
+    gaps = [b - a for a, b in zip(ts, ts[1:], strict=False) if b > a]
+    bps = snap.metrics[-1].get("dft_bps") if snap.metrics else None
+    step_s = 1.0 / bps if isinstance(bps, (int, float)) and bps > 0 else None
+    return max([interval, median(gaps) if gaps else 0.0, step_s or 0.0]), interval, step_s
+
+
 def metrics_stale(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     snap = history[-1]
     p = snap.pipeline
-    interval = snap.config("run", "status_interval_s", default=10.0)
     if p is None or p.age_s is None or snap.job.get("lock_held") is False:
         return []
     if any(w.state in ("compiling", "checkpointing") for w in snap.role("drafter")):
         return []  # a cold compile of a new shape bucket can take minutes without a record
-    if p.age_s <= th.metrics_stale_intervals * float(interval):
+    cadence, interval, step_s = record_cadence(snap)
+    if p.age_s <= th.metrics_stale_intervals * cadence:
         return []
+    why = f"status interval {interval:.0f} s" + ("" if step_s is None else f", steps of {step_s:.1f} s")
     return [
         Finding(
             severity="warning",
             kind="metrics_stale",
             subject="run",
             message=(
-                f"no metrics record for {fmt_duration(p.age_s)} (one is due every {float(interval):.0f} s): "
-                "the worker that writes them (drafter rank 0) is stuck or gone"
+                f"no metrics record for {fmt_duration(p.age_s)} (this run writes one every {cadence:.0f} s: "
+                f"{why}): the worker that writes them (drafter rank 0) is stuck or gone"
             ),
             advice="see the drafter findings; read logs/drafter-0.log",
-            numbers={"metrics_age_s": p.age_s, "status_interval_s": interval},
+            numbers={
+                "metrics_age_s": p.age_s,
+                "status_interval_s": interval,
+                "cadence_s": cadence,
+                "step_s": step_s,
+            },
         )
     ]

@@ -73,7 +73,8 @@ class Thresholds:
     slowdown_records: int = 3
     """The newest records (after warm-up) that must all be that slow: one slow interval is no slowdown."""
     metrics_stale_intervals: float = 6.0
-    """No metrics record for this many status intervals (run.status_interval_s) while the job runs."""
+    """No metrics record for this many of the run's record cadences while the job runs (the cadence:
+    the largest of run.status_interval_s, its recent records' median gap and its step time)."""
     xid_window_s: float = 3600.0
     """XID events are reported for this long after they happened."""
     sampler_silent_s: float = 10.0

@@ -415,6 +415,21 @@ def test_metrics_stale_while_the_job_runs() -> None:
     assert "metrics_stale" not in [f.kind for f in run(s)]
 
 
+def test_metrics_stale_follows_the_run_s_own_step_time() -> None:
+    # Steps of 45 s with a 10 s status interval: one record a step, 45 s apart. 2 minutes
+    # without one is a step and a half, not twelve intervals.
+    s = sample()
+    s["metrics"] = [metric(T0 - 120 - 45 * (5 - i), dft_bps=1 / 45, step=500 + i) for i in range(6)]
+    assert "metrics_stale" not in [f.kind for f in run(s)]
+    s["metrics"] = [metric(T0 - 300 - 45 * (5 - i), dft_bps=1 / 45, step=500 + i) for i in range(6)]
+    f = [x for x in run(s) if x.kind == "metrics_stale"]
+    assert f and "every 45 s: status interval 10 s, steps of 45.0 s" in f[0].message, f
+    # The same gaps without the step time still set the cadence (records of an older job version).
+    s["metrics"] = [{k: v for k, v in m.items() if k != "dft_bps"} for m in s["metrics"]]
+    s["metrics"][-1]["t"] = T0 - 120
+    assert "metrics_stale" not in [f.kind for f in run(s)]
+
+
 # ---- events --------------------------------------------------------------------------------------
 
 
