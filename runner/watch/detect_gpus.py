@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from runner.watch.findings import Finding, Severity
+from runner.watch.signals import fmt_duration
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
 
@@ -161,20 +162,54 @@ def gpu_health(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     return out
 
 
+def _gpu_label(snap: Snapshot, index: int | None) -> str:
+    if index is None:
+        return "no one GPU"
+    g = snap.gpu(index)
+    return f"GPU {index}" + (f" ({g.name})" if g is not None and g.name else "")
+
+
 def nvml_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     snap = history[-1]
     on_gpu = any((w.device or "").startswith("cuda") for w in snap.workers)
+    stuck = "; ".join(
+        f"{call} on {_gpu_label(snap, gpu)} for {fmt_duration(s)}" for gpu, call, s in snap.nvml_stuck
+    )
     if snap.nvml == "not answering":
         return [
             Finding(
                 severity="warning",
                 kind="nvml",
                 subject="nvml",
-                message=f"NVML on {snap.host} is not answering: a GPU may be failing; GPU readings are n/a",
+                message=(
+                    f"NVML on {snap.host} is not answering"
+                    + (f" (not returned: {stuck})" if stuck else "")
+                    + ": a GPU may be failing; GPU readings are n/a"
+                ),
                 advice="look for XID lines in `dmesg` and run `nvidia-smi`; if it hangs too, the GPU needs a reset",
-                numbers={},
+                numbers={"stuck": [{"gpu": g, "call": c, "for_s": t} for g, c, t in snap.nvml_stuck]},
             )
         ]
+    hung = [
+        Finding(
+            severity="warning",
+            kind="nvml_hung",
+            subject=f"GPU {g.index}",
+            message=(
+                f"NVML's {g.stuck_call} on {_gpu_label(snap, g.index)} has not returned for "
+                f"{fmt_duration(g.stuck_s)}: its readings are n/a until it does; the other GPUs are read as usual"
+            ),
+            advice=(
+                f"a GPU whose NVML calls hang is failing: look for its XID lines in `dmesg`, run "
+                f"`nvidia-smi -i {g.index}`; if that hangs too, drain GPU {g.index} and reset it"
+            ),
+            numbers={"gpu": g.index, "call": g.stuck_call, "stuck_s": g.stuck_s},
+        )
+        for g in snap.gpus
+        if g.stuck_call
+    ]
+    if hung:
+        return hung
     if snap.nvml.startswith("unavailable") and on_gpu:
         return [
             Finding(

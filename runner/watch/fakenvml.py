@@ -89,8 +89,11 @@ class FakeNVML:
         init_error: int | None = None,
         missing: set[str] | None = None,
         xid_supported: bool = True,
+        hang: set[str] | None = None,
     ) -> None:
         self.gpus = gpus
+        self.hang = set(hang or ())
+        """Functions about no one GPU (nvmlDeviceGetCount, nvmlEventSetWait) that block until release()."""
         self.init_error = init_error
         self.missing = set(missing or ())
         """Functions this 'pynvml' does not have (an older nvidia-ml-py), e.g. the _v3 process calls."""
@@ -105,14 +108,20 @@ class FakeNVML:
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> FakeNVML:
-        """From JSON: {"gpus": [{FakeGPU fields}], "missing": [...], "xid_supported": bool, "xids": [[gpu, xid]]}."""
+        """From JSON: {"gpus": [{FakeGPU fields}], "missing": [...], "xid_supported": bool, "xids": [[gpu, xid]],
+        "hang": [...]}."""
         gpus = []
         for g in spec.get("gpus", []):
             g = dict(g)
             for key in ("not_supported", "hang"):
                 g[key] = set(g.get(key, ()))
             gpus.append(FakeGPU(**g))
-        fake = cls(gpus, missing=set(spec.get("missing", ())), xid_supported=spec.get("xid_supported", True))
+        fake = cls(
+            gpus,
+            missing=set(spec.get("missing", ())),
+            xid_supported=spec.get("xid_supported", True),
+            hang=set(spec.get("hang", ())),
+        )
         for gpu, xid in spec.get("xids", []):
             fake.inject_xid(gpu, xid)
         return fake
@@ -139,6 +148,8 @@ class FakeNVML:
         if not self.initialised:
             raise FakeNVMLError(UNINITIALIZED)
         gpu = None if handle is None else self.gpus[handle.index]
+        if gpu is None and name in self.hang and not self._released.is_set():
+            self._released.wait()
         if gpu is not None:
             if name in gpu.hang and not self._released.is_set():
                 self._released.wait()

@@ -2,11 +2,14 @@
 
 Every NVML function goes through `call`, which
 - initialises NVML lazily (and retries a failed init now and then: a driver may come back),
-- runs the function on one worker thread and waits at most `deadline_s`: a failing GPU can block an
-  NVML call for minutes, and the dashboard must keep refreshing and say "not answering". While a
-  stuck call has not returned, later calls answer NA at once instead of queueing behind it. One
-  GPU's 1 Hz reading runs as one batch on that thread under one deadline (its calls still go
-  through `call`), because a thread handoff per call would cost more CPU than the calls,
+- runs the function on a worker thread and waits at most `deadline_s`: a failing GPU can block an
+  NVML call for minutes, and the dashboard must keep refreshing. A call that misses its deadline
+  is stuck: `stuck_calls()` names its GPU, the function and for how long, and the GPU's reading
+  says so (`stuck_call`, `stuck_s`). Later calls about that GPU answer NA at once instead of
+  queueing behind it, and the other GPUs are read on a fresh thread. A stuck call about no one GPU
+  (init, the count, XID events), or four stuck calls, make the status "not answering". One GPU's
+  1 Hz reading runs as one batch on that thread under one deadline (its calls still go through
+  `call`), because a thread handoff per call would cost more CPU than the calls,
 - turns every failure (NotSupported, NotFound, no permission, a function the driver lacks, a lost
   GPU) into the NA sentinel instead of raising; faults worth a finding (GPU lost, reset required)
   are remembered per GPU.
@@ -127,56 +130,97 @@ def decode_clock_reasons(mask: Any) -> Any:
     return [word for bit, word in CLOCK_REASONS if mask & bit]
 
 
-class _Job:
-    __slots__ = ("fn", "args", "kwargs", "done", "value", "error")
+_ALL = "nvml"
+"""The stuck-call key of a call about no one GPU (init, the count, XID events): it blocks them all."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+_tls = threading.local()
+"""Per NVML thread: the runner it serves and the job it runs (whose `call` names the call in flight)."""
+
+
+class _Job:
+    __slots__ = ("fn", "args", "kwargs", "done", "value", "error", "key", "call", "since")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, key: Any, call: str) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.key = key
+        self.call = call
+        """The NVML function running now: a batch updates it call by call, so a stuck one names it."""
+        self.since = 0.0
 
 
 class _DeadlineRunner:
-    """One daemon thread that runs calls; the caller waits at most deadline_s for each. A daemon,
-    so a call stuck in the driver never keeps the process from exiting."""
+    """Runs calls on a daemon thread; the caller waits at most deadline_s for each. A daemon, so a
+    call stuck in the driver never keeps the process from exiting.
 
-    def __init__(self, deadline_s: float) -> None:
+    A call that misses its deadline is stuck under its key (a GPU index, or _ALL): its thread is
+    left to it (it exits once the call returns) and the next call gets a fresh thread, so one GPU
+    whose calls hang leaves the others readable. Calls under a stuck key answer None at once. A stuck
+    _ALL call, or max_stuck stuck calls (threads left behind), make NVML not answering as a whole."""
+
+    def __init__(self, deadline_s: float, max_stuck: int = 4) -> None:
         self.deadline_s = deadline_s
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.max_stuck = max_stuck
+        self._jobs: queue.SimpleQueue[_Job] | None = None
         self._thread: threading.Thread | None = None
-        self.stuck: _Job | None = None
-        self.stuck_since: float | None = None
+        self.stuck: dict[Any, _Job] = {}
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: queue.SimpleQueue[_Job]) -> None:
+        _tls.runner = self
+        me = threading.current_thread()
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
+            _tls.job = job
             try:
                 job.value = job.fn(*job.args, **job.kwargs)
             except BaseException as e:  # handed to the caller, who decides
                 job.error = e
             job.done.set()
+            if self._thread is not me:  # left behind while its call was stuck: a fresh thread took over
+                return
 
     def on_worker(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        return getattr(_tls, "runner", None) is self
 
-    def answering(self) -> bool:
-        if self.stuck is not None and self.stuck.done.is_set():
-            self.stuck = self.stuck_since = None
-        return self.stuck is None
+    def answering(self, key: Any = None) -> bool:
+        """NVML as a whole answers (key None), or calls about this key (a GPU index) can be made."""
+        for k in [k for k, job in self.stuck.items() if job.done.is_set()]:
+            del self.stuck[k]
+        if _ALL in self.stuck or len(self.stuck) >= self.max_stuck:
+            return False
+        return key is None or key not in self.stuck
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> _Job | None:
-        """The finished job, or None when NVML is not answering (now, or already before)."""
-        if not self.answering():
+    def stuck_calls(self) -> list[dict[str, Any]]:
+        """[{gpu, call, for_s}] for each call that has not returned (gpu None: about no one GPU)."""
+        self.answering()
+        now = time.time()
+        return [
+            {"gpu": None if k == _ALL else k, "call": job.call, "for_s": round(now - job.since, 1)}
+            for k, job in sorted(self.stuck.items(), key=lambda kv: str(kv[0]))
+        ]
+
+    def run(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, *, key: Any = None, call: str = ""
+    ) -> _Job | None:
+        """The finished job, or None when calls about `key` (None: any) are stuck, now or before."""
+        key = _ALL if key is None else key
+        if not self.answering(None if key == _ALL else key):
             return None
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="nvml-calls", daemon=True)
+        if self._thread is None or self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._loop, args=(self._jobs,), name="nvml-calls", daemon=True
+            )
             self._thread.start()
-        job = _Job(fn, args, kwargs)
+        job = _Job(fn, args, kwargs, key, call or getattr(fn, "__name__", "call"))
         self._jobs.put(job)
         if job.done.wait(self.deadline_s):
             return job
-        self.stuck, self.stuck_since = job, time.time()
+        job.since = time.time() - self.deadline_s
+        self.stuck[key] = job
+        self._thread = self._jobs = None  # that thread is the stuck call's now
         return None
 
 
@@ -216,9 +260,12 @@ class NVML:
         self._events: Any = None  # None: not registered yet; NA: XID events unsupported
         self.faults: dict[int, dict[str, str]] = {}
         """Per GPU index: {function: fault} for calls that failed with a GPU fault code."""
-        self._current_gpu: int | None = None
 
     # ---- the choke point -----------------------------------------------------------------------
+
+    def stuck_calls(self) -> list[dict[str, Any]]:
+        """The NVML calls that have not returned: [{gpu (None: about no one GPU), call, for_s}]."""
+        return self._runner.stuck_calls()
 
     @property
     def status(self) -> str:
@@ -256,6 +303,7 @@ class NVML:
             fn = getattr(self._backend, name, None) if self._ready else None
             if fn is None:
                 return NA
+            _tls.job.call = name
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
@@ -265,15 +313,16 @@ class NVML:
         fn = getattr(self._backend, name, None)
         if fn is None:
             return NA
-        job = self._runner.run(fn, args, kwargs)
+        job = self._runner.run(fn, args, kwargs, call=name)
         if job is None:
             return NA
         return job.value if job.error is None else self._failed(name, job.error)
 
     def _failed(self, name: str, error: BaseException) -> Any:
         fault = FAULT_CODES.get(getattr(error, "value", -1))
-        if fault and self._current_gpu is not None and self._runner.on_worker():  # within a GPU's batch
-            self.faults.setdefault(self._current_gpu, {})[name] = fault
+        gpu = _tls.job.key if self._runner.on_worker() else None
+        if fault and isinstance(gpu, int):  # within a GPU's batch
+            self.faults.setdefault(gpu, {})[name] = fault
         return NA
 
     # ---- readings ------------------------------------------------------------------------------
@@ -296,12 +345,16 @@ class NVML:
         Its calls run as one batch on the NVML thread, under one deadline (a handoff per call would
         cost more than the calls): a stuck call leaves the fields read before it, the rest NA."""
         out: dict[str, Any] = {"index": index}
-        job = self._runner.run(self._read_gpu, (index, out), {}) if self._ensure() else None
+        job = self._runner.run(self._read_gpu, (index, out), {}, key=index) if self._ensure() else None
         if job is None or job.error is not None:
             out = dict(out)  # the stuck batch may still write into the original
             for k in _GPU_FIELDS:
                 out.setdefault(k, NA)
             out.setdefault("faults", {})
+            stuck = self._runner.stuck.get(index)
+            if stuck is not None and not stuck.done.is_set():
+                out["stuck_call"] = stuck.call
+                out["stuck_s"] = round(time.time() - stuck.since, 1)
         known = self._known.setdefault(index, {})
         for k in ("name", "uuid"):
             if isinstance(out.get(k), str) and out[k]:
@@ -311,7 +364,6 @@ class NVML:
         return out
 
     def _read_gpu(self, index: int, out: dict[str, Any]) -> None:
-        self._current_gpu = index
         self.faults.pop(index, None)
         h = self._handle(index)
         if h is NA:

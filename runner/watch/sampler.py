@@ -6,10 +6,11 @@
 Each line (schema version 1; NA fields are "n/a"):
     {"v": 1, "t", "host", "run_dir", "run_dir_exists", "interval_s",
      "nvml": "ok" | "not answering" | "unavailable: <why>",
+     "nvml_stuck": [{"gpu" (null: about no one GPU), "call", "for_s"}]   NVML calls not returned,
      "gpus": [{"index", "name", "uuid", "mem_used_mb", "mem_total_mb" (MiB), "util_gpu", "util_mem" (%),
                "temp_c", "power_w", "sm_clock_mhz", "throttle": [words], "ecc_mode",
                "ecc_uncorrected", "ecc_corrected", "procs": [{"pid" (host pid), "mem_mb"}],
-               "faults": {function: fault}}],
+               "faults": {function: fault}, "stuck_call", "stuck_s" (only while its call hangs)}],
      "xid": [{"t", "gpu", "xid"}] | "n/a",
      "workers": {"drafter-0": {<heartbeat fields>, "age_s", "progress_age_s", "uptime_s",
                  "state_age_s", "host_pid", "alive", "proc_state", "cpu_percent", "rss_mb",
@@ -335,6 +336,7 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
         "run_dir_exists": state.run_dir.is_dir(),
         "interval_s": state.interval_s,
         "nvml": state.nvml.status,
+        "nvml_stuck": state.nvml.stuck_calls(),
         "gpus": gpus,
         "xid": xid,
         "workers": src.read(

@@ -45,6 +45,9 @@ class GpuView:
     faults: tuple[str, ...] = ()
     workers: tuple[str, ...] = ()
     """Names of the workers that sit on this GPU (by pid, gpu_uuid or device)."""
+    stuck_call: str | None = None
+    """The NVML function that has not returned for this GPU (its readings are n/a meanwhile)."""
+    stuck_s: float | None = None
 
     @property
     def mem_frac(self) -> float | None:
@@ -138,6 +141,8 @@ class Snapshot:
     source_errors: tuple[tuple[str, str], ...] = ()
     """(source, error) for each of the sampler's sources that raised on this line (NVML, a run-directory
     file, the process probe): the sampler went on without it."""
+    nvml_stuck: tuple[tuple[int | None, str, float], ...] = ()
+    """(GPU index or None, function, seconds) for each NVML call that has not returned."""
     sampler_noise: str = ""
     """The sampler's newest non-JSON output (a traceback's last line, an ssh error)."""
     sampler_restarts: int = 0
@@ -190,6 +195,8 @@ def _gpu_view(g: Mapping[str, Any], workers: Sequence[WorkerView]) -> GpuView:
         procs=None if procs is None else tuple((int(p["pid"]), _num(p.get("mem_mb"))) for p in procs),
         faults=tuple(sorted(set((g.get("faults") or {}).values()))),
         workers=tuple(w.name for w in workers if w.gpu_index == g["index"]),
+        stuck_call=g["stuck_call"] if isinstance(g.get("stuck_call"), str) else None,
+        stuck_s=_num(g.get("stuck_s")),
     )
 
 
@@ -307,6 +314,15 @@ class History:
             baseline_tok_s=self.baseline_tok_s,
             reference=self.steady.reference(world_of(self.metrics[-1]) if self.metrics else None),
             damage=tuple(str(d) for d in sample.get("damage") or () if isinstance(d, str)),
+            nvml_stuck=tuple(
+                (
+                    e["gpu"] if isinstance(e.get("gpu"), int) else None,
+                    str(e.get("call")),
+                    _num(e.get("for_s")) or 0.0,
+                )
+                for e in sample.get("nvml_stuck") or ()
+                if isinstance(e, Mapping)
+            ),
             source_errors=tuple(
                 (str(e.get("source")), str(e.get("error")))
                 for e in sample.get("source_errors") or ()

@@ -88,6 +88,9 @@ def test_an_nvml_that_raises_is_a_source_error_not_a_dead_sampler(tmp_path: Path
         def poll_xids(self) -> str:
             return "n/a"
 
+        def stuck_calls(self) -> list:
+            return []
+
     run = _run_dir(tmp_path)
     s = sample_once(SamplerState(run, nvml=Broken(), host="gpu-7"))  # type: ignore[arg-type]
     assert s["source_errors"] == [{"source": "nvml", "error": "RuntimeError: driver went away"}]
@@ -193,3 +196,45 @@ def test_thresholds_in_range_are_taken() -> None:
     assert sys.modules["runner.watch.thresholds"].RANGES.keys() == {
         f for f in Thresholds.__dataclass_fields__
     }, "every threshold has its range"
+
+
+def test_a_gpu_whose_nvml_call_hangs_is_named_and_the_others_still_read(tmp_path: Path) -> None:
+    """One stuck NVML call used to blank every GPU with a warning naming neither the GPU nor the call."""
+    run = _run_dir(tmp_path)
+    spec = tmp_path / "nvml.json"
+    gpus = [{"util_gpu": 40, "name": "NVIDIA H200"}, {"util_gpu": 50, "name": "NVIDIA H200"}]
+    gpus.append({"util_gpu": 60, "name": "NVIDIA H200", "hang": ["nvmlDeviceGetUtilizationRates"]})
+    spec.write_text(json.dumps({"gpus": gpus}))
+    code, doc = _once(run, spec)
+    hung = [f for f in _findings(doc) if f["kind"] == "nvml_hung"]
+    assert [f["subject"] for f in hung] == ["GPU 2"], doc
+    assert "nvmlDeviceGetUtilizationRates on GPU 2 (NVIDIA H200) has not returned" in hung[0]["message"]
+    assert not [f for f in _findings(doc) if f["kind"] == "nvml"], "NVML as a whole still answers"
+    utils = {g["index"]: g["util_gpu"] for g in doc["hosts"][0]["gpus"]}
+    assert utils == {0: 40, 1: 50, 2: None}, utils
+    assert code == 1
+
+
+def test_nvml_hung_and_not_answering_findings_name_the_calls() -> None:
+    s = healthy_sample(T0)
+    s["gpus"][1].update(util_gpu="n/a", stuck_call="nvmlDeviceGetPowerUsage", stuck_s=42.0)
+    s["nvml_stuck"] = [{"gpu": 1, "call": "nvmlDeviceGetPowerUsage", "for_s": 42.0}]
+    f = [x for x in detectors.detect(_snaps(s)) if x.kind.startswith("nvml")]
+    assert [(x.severity, x.kind, x.subject) for x in f] == [("warning", "nvml_hung", "GPU 1")]
+    assert "nvmlDeviceGetPowerUsage" in f[0].message and "42 s" in f[0].message
+    assert "drain GPU 1" in f[0].advice
+    s["nvml"] = "not answering"
+    s["nvml_stuck"].append({"gpu": None, "call": "nvmlEventSetWait", "for_s": 3.0})
+    f = [x for x in detectors.detect(_snaps(s)) if x.kind.startswith("nvml")]
+    assert [(x.kind, x.subject) for x in f] == [("nvml", "nvml")]
+    assert (
+        "nvmlDeviceGetPowerUsage on GPU 1" in f[0].message
+        and "nvmlEventSetWait on no one GPU" in f[0].message
+    )
+    assert not [x for x in detectors.detect(_snaps(healthy_sample(T0))) if x.kind.startswith("nvml")]
+
+
+def _snaps(s: dict) -> list:
+    h = History()
+    h.ingest(s)
+    return list(h.snapshots)

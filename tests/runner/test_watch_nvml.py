@@ -76,28 +76,56 @@ def test_processes_na_when_no_version_answers_and_graphics_merged() -> None:
     assert NVML(fake).read_gpu(0)["procs"] == [{"pid": 5, "mem_mb": 30.0}, {"pid": 6, "mem_mb": 1.0}]
 
 
-def test_a_hanging_call_costs_one_deadline_then_answers_na_at_once() -> None:
+def test_a_hanging_call_names_its_gpu_and_call_and_leaves_the_other_gpus_read() -> None:
     fake = FakeNVML([FakeGPU(util_gpu=50, hang={"nvmlDeviceGetUtilizationRates"}), FakeGPU(util_gpu=70)])
     nvml = NVML(fake, deadline_s=0.3)
+    before = set(threading.enumerate())
     t0 = time.monotonic()
     first = nvml.read_gpus()
     took = time.monotonic() - t0
     assert 0.3 <= took < 1.5, took
-    assert nvml.status == "not answering"
-    assert first[0]["mem_used_mb"] == 0 and first[0]["util_gpu"] is NA and first[1]["util_gpu"] is NA
-    calls = sum(fake.calls.values())
+    assert nvml.status == "ok", "one GPU's stuck call is not NVML as a whole"
+    assert first[0]["mem_used_mb"] == 0 and first[0]["util_gpu"] is NA, "read before the stuck call: kept"
+    assert first[0]["stuck_call"] == "nvmlDeviceGetUtilizationRates" and first[0]["stuck_s"] >= 0.3
+    assert first[1]["util_gpu"] == 70 and "stuck_call" not in first[1]
+    [stuck] = nvml.stuck_calls()
+    assert stuck["gpu"] == 0 and stuck["call"] == "nvmlDeviceGetUtilizationRates"
+    calls = fake.calls["nvmlDeviceGetName"]
     t0 = time.monotonic()
     second = nvml.read_gpus()
-    # Blocked again would cost another deadline (0.3 s); the count below proves nothing was queued.
+    # Blocked again would cost another deadline (0.3 s); the count below proves GPU 0 was not asked.
     assert time.monotonic() - t0 < 0.3, "the caller is not blocked again while the call is stuck"
-    assert sum(fake.calls.values()) == calls, "nothing more is queued behind the stuck call"
-    assert second[1]["util_gpu"] is NA
+    assert fake.calls["nvmlDeviceGetName"] == calls + 1, "only GPU 1 is read while GPU 0's call hangs"
+    assert second[0]["stuck_call"] == "nvmlDeviceGetUtilizationRates" and second[1]["util_gpu"] == 70
+    mine = [t for t in threading.enumerate() if t.name == "nvml-calls" and t not in before]
+    assert len(mine) == 2, "the stuck call keeps its thread; a fresh one reads the rest"
     fake.release()
     deadline = time.monotonic() + 5
-    while nvml.status != "ok" and time.monotonic() < deadline:
+    while nvml.stuck_calls() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert nvml.status == "ok"
+    assert nvml.stuck_calls() == [] and nvml.status == "ok"
     assert [g["util_gpu"] for g in nvml.read_gpus()] == [50, 70]
+    for t in mine:
+        t.join(timeout=0.2)
+    assert sum(t.is_alive() for t in mine) == 1, "the left-behind thread exits once its call returns"
+
+
+def test_a_stuck_call_about_no_one_gpu_or_too_many_stuck_make_nvml_not_answering() -> None:
+    fake = FakeNVML([FakeGPU()], hang={"nvmlDeviceGetCount"})
+    nvml = NVML(fake, deadline_s=0.2)
+    assert nvml.read_gpus() == [] and nvml.status == "not answering"
+    assert nvml.stuck_calls()[0]["gpu"] is None and nvml.stuck_calls()[0]["call"] == "nvmlDeviceGetCount"
+    fake.release()
+    # Every GPU hanging (a driver lock): at most four deadlines are spent, then nothing is asked.
+    hung = {"nvmlDeviceGetName"}
+    fake = FakeNVML([FakeGPU(hang=hung) for _ in range(6)])
+    nvml = NVML(fake, deadline_s=0.2)
+    t0 = time.monotonic()
+    gpus = nvml.read_gpus()
+    assert time.monotonic() - t0 < 0.2 * 4 + 0.5
+    assert nvml.status == "not answering" and [s["gpu"] for s in nvml.stuck_calls()] == [0, 1, 2, 3]
+    assert all(g["mem_used_mb"] is NA for g in gpus) and [g["index"] for g in gpus] == list(range(6))
+    fake.release()
 
 
 def test_init_failure_is_unavailable_and_retried() -> None:
