@@ -612,3 +612,14 @@ def test_a_malformed_timeline_reads_as_unknown_never_an_error(junk: dict[str, An
     timed = {**_generation_start(T0 - 5, 1, [("imports", 2.0)]), **junk}
     (f,) = run(sample(events=[restart, timed]))
     assert f.kind == "restarts" and "restarted 1 time(s)" in f.message
+
+
+def test_docs_list_every_finding_the_code_makes() -> None:
+    """docs/watch.md's finding table has a row for each kind a detector or watch itself makes, and no other."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "watch.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \| (?:info|warning|critical)", doc, flags=re.M))
+    code: set[str] = set()
+    for f in (root / "runner" / "watch").glob("*.py"):  # every Finding(kind="...", subject=...)
+        code |= set(re.findall(r'kind="(\w+)",\s*subject=', f.read_text()))
+    assert rows == code, (sorted(code - rows), sorted(rows - code))
