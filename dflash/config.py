@@ -184,8 +184,12 @@ class TargetConfig:
     in the run directory (the CPU demo and tests) and loads it through the same path."""
     dtype: str = "bfloat16"
     """Weights dtype: bfloat16 | float16 | float32."""
-    compile: bool = False
-    """torch.compile each decoder layer of the target (regional; one graph per length bucket)."""
+    compile: str = "auto"
+    """true | false | auto: torch.compile each decoder layer of the target (regional; its graphs per
+    length bucket are in the shape plan, warm-cache and the fingerprint). auto: on a GPU where
+    attention.compile is on (hidden-state capture 43.4K vs 33.0K tok/s, 1.32x, at the 8B batch shape
+    on an H200: bench/pipeline.py --batch 12 --target-compile); off on the CPU, where a cold compile
+    costs a short run more than it wins (dflash.resolve.resolve_target_compile)."""
     tiny_layers: Annotated[int, AtLeast1] = 8
     """Layers of the `tiny` target."""
     tiny_hidden: Annotated[int, Range(ge=16)] = 64
@@ -193,6 +197,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        check_tristate(self, "compile")
         if self.tiny_hidden % 16:
             raise ConfigError("target.tiny_hidden", f"must be a multiple of 16, got {self.tiny_hidden}")
         if self.dtype not in ("bfloat16", "float16", "float32"):

@@ -83,10 +83,12 @@ def env_fingerprint(device_type: str) -> dict[str, Any]:
     return env
 
 
-def target_fingerprint(cfg: Any, spec: Any, target_path: str) -> dict[str, Any]:
+def target_fingerprint(cfg: Any, spec: Any, target_path: str, device: Any = None) -> dict[str, Any]:
     """What the target's compiled layers depend on: nothing when it is not compiled; else its
     architecture (config.json, which the kept layers are built from) and how many layers are kept."""
-    if not cfg.target.compile:
+    from dflash.resolve import resolve_target_compile
+
+    if not resolve_target_compile(cfg, device):
         return {"compile": False}
     from dflash.shapes import read_target_config
 
@@ -109,8 +111,8 @@ def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_
     bf16_weights = resolve_bf16_weights(cfg, device)
 
     return {
-        "target": target_fingerprint(cfg, spec, target_path),
-        "shape_plan": shape_plan(cfg, target_path=target_path).to_dict(),
+        "target": target_fingerprint(cfg, spec, target_path, device),
+        "shape_plan": shape_plan(cfg, target_path=target_path, device=device).to_dict(),
         "num_anchors": cfg.train.num_anchors,
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "target_dtype": cfg.target.dtype,

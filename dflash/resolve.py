@@ -92,6 +92,23 @@ def fused_qk_head_dim_problem(head_dim: int) -> str | None:
     return f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto"
 
 
+def resolve_target_compile(cfg: JobConfig, device: torch.device | None = None) -> bool:
+    """target.compile: auto compiles the target's decoder layers on a GPU where attention.compile is
+    on (the capture's measured 1.32x, TargetConfig's docstring), not on the CPU. device: the job's
+    (None: the one run.device names, without refusing a cuda config on a machine with no GPU, so a
+    plan can be read anywhere)."""
+    s = str(cfg.target.compile).lower()
+    if s != "auto":
+        return s == "true"
+    if device is None:
+        kind = (
+            cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+    else:
+        kind = device.type
+    return kind == "cuda" and bool(cfg.attention.compile)
+
+
 def resolve_strict(cfg: JobConfig, device: torch.device) -> bool:
     s = str(cfg.attention.strict_kernels).lower()
     return device.type == "cuda" if s == "auto" else s == "true"

@@ -236,12 +236,16 @@ def drafter_layer_types(drafter: Any) -> list[str]:
     return list(drafter.layer_types) or ["sliding_attention"] * (drafter.num_layers - 1) + ["full_attention"]
 
 
-def shape_plan(cfg: JobConfig, *, target_path: str | None = None) -> ShapePlan:
+def shape_plan(cfg: JobConfig, *, target_path: str | None = None, device: Any = None) -> ShapePlan:
     """The plan of a config; target_path: the target's directory, whose config.json tells how many
-    layer types its compiled layers have (read only with target.compile)."""
+    layer types its compiled layers have (read only with target.compile); device: the job's, which
+    target.compile = auto resolves on (None: the one run.device names)."""
+    from dflash.resolve import resolve_target_compile
+
     d, t = cfg.data, cfg.train
+    target_compile = resolve_target_compile(cfg, device)
     target_layer_types = 1
-    if cfg.target.compile and target_path:
+    if target_compile and target_path:
         types = read_target_config(target_path).get("layer_types")
         target_layer_types = len(set(types)) if isinstance(types, list) and types else 1
     return make_plan(
@@ -255,7 +259,7 @@ def shape_plan(cfg: JobConfig, *, target_path: str | None = None) -> ShapePlan:
         block_token_budget=t.block_token_budget,
         layer_types=drafter_layer_types(cfg.drafter),
         target_layer_types=target_layer_types,
-        target_compile=cfg.target.compile,
+        target_compile=target_compile,
     )
 
 

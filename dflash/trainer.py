@@ -236,7 +236,7 @@ class DrafterTrainer:
         self.flex_kernels = resolve_flex_kernels(cfg, device)
         self.fused_loss = resolve_fused_loss(cfg, device)
         self.bf16_weights = resolve_bf16_weights(cfg, device)
-        self.plan = plan if plan is not None else shape_plan(cfg)
+        self.plan = plan if plan is not None else shape_plan(cfg, device=device)
         if model is None:
             model = build_drafter(cfg, spec, embed_VH, head_VH, device)
         model = model.to(device)

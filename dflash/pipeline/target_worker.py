@@ -99,7 +99,7 @@ def run_target(
     import json
 
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.resolve import apply_worker_threads
+    from dflash.resolve import apply_worker_threads, resolve_target_compile
     from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
@@ -127,16 +127,17 @@ def run_target(
         tl.mark("data")
         hb.set("computing", note="loading target")
         spec = resolve_drafter_spec(cfg, parts)
-        if cfg.target.compile:
+        target_compile = resolve_target_compile(cfg, device)
+        if target_compile:
             from dflash.shapes import apply_recompile_limit, shape_plan
 
-            apply_recompile_limit(shape_plan(cfg, target_path=parts.target_path))
+            apply_recompile_limit(shape_plan(cfg, target_path=parts.target_path, device=device))
         target = TargetCapture(
             parts.target_path,
             spec.target_layer_ids,
             dtype=torch_dtype(cfg.target.dtype),
             device=device,
-            compile=cfg.target.compile,
+            compile=target_compile,
         )
         tl.mark("model_load")
         hs = HiddenStateQueue.attach(queue_name)
