@@ -22,9 +22,17 @@ from dflash.errors import ConfigError
 from dflash.triton_jit import kernel_device
 
 
+def named_device_type(cfg: JobConfig) -> str:
+    """The device type run.device names (auto: cuda where one is visible), without refusing a cuda
+    config on a machine with no GPU (resolve_device does), so a plan can be read anywhere."""
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
 def resolve_device(cfg: JobConfig) -> torch.device:
     if cfg.run.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(named_device_type(cfg))
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device", "is cuda but no CUDA device is visible; use cpu or auto")
     return torch.device(cfg.run.device)
@@ -95,17 +103,11 @@ def fused_qk_head_dim_problem(head_dim: int) -> str | None:
 def resolve_target_compile(cfg: JobConfig, device: torch.device | None = None) -> bool:
     """target.compile: auto compiles the target's decoder layers on a GPU where attention.compile is
     on (the capture's measured 1.32x, TargetConfig's docstring), not on the CPU. device: the job's
-    (None: the one run.device names, without refusing a cuda config on a machine with no GPU, so a
-    plan can be read anywhere)."""
+    (None: the one run.device names, named_device_type)."""
     s = str(cfg.target.compile).lower()
     if s != "auto":
         return s == "true"
-    if device is None:
-        kind = (
-            cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-    else:
-        kind = device.type
+    kind = named_device_type(cfg) if device is None else device.type
     return kind == "cuda" and bool(cfg.attention.compile)
 
 

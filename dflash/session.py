@@ -432,7 +432,7 @@ class Job:
     """Single-process job: one target and one drafter in turn (dflash.train)."""
 
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
-        from dflash.resolve import apply_worker_threads, resolve_device, resolve_target_compile
+        from dflash.resolve import apply_worker_threads, resolve_device
         from dflash.target import TargetCapture
 
         self.cfg, self.run = cfg, run
@@ -451,7 +451,7 @@ class Job:
             self.drafter.spec.target_layer_ids,
             dtype=torch_dtype(cfg.target.dtype),
             device=self.device,
-            compile=resolve_target_compile(cfg, self.device),
+            compile=self.drafter.plan.target_compile,
         )
         self.batcher = make_batcher(cfg, parts.dataset, plan=self.drafter.plan)
         self.drafter.resume()

@@ -137,7 +137,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job
     from dflash.kernels import KernelGuard, compile_counters
     from dflash.placement import PeakMeter, device_total, fit_problems, is_oom, oom_error
-    from dflash.resolve import compile_contexts, resolve_strict, resolve_target_compile
+    from dflash.resolve import compile_contexts, resolve_strict
     from dflash.session import torch_dtype
     from dflash.shapes import shape_plan
     from dflash.target import load_frozen_head
@@ -149,9 +149,8 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     key = fingerprint_key(fp)
     _emit("fingerprint", key=key, fingerprint=fp)
     plan = shape_plan(cfg, target_path=target_path, device=device)
-    target_compile = resolve_target_compile(cfg, device)
     contexts = {"drafter": compile_contexts(cfg, "drafter", device)}
-    if target_compile:
+    if plan.target_compile:
         contexts["target"] = compile_contexts(cfg, "target", device)
     plan_contexts = {part: [c.to_dict() for c in cs] for part, cs in contexts.items()}
     _emit("plan", shapes=plan.buckets(), shape_plan=plan.to_dict(), contexts=plan_contexts)
@@ -219,7 +218,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
             trainer.module = wrapped["ddp"] if ctx.ddp else trainer.model
 
         each_shape("drafter", _ContextSwitch(drafter_module), lambda inputs: trainer.train_step(*inputs))
-        if target_compile:  # the target's regional compile is compiled code of this job too
+        if plan.target_compile:  # the target's regional compile is compiled code of this job too
             from dflash.target import TargetCapture
 
             # In a job the target has a device of its own: free the drafter's first (weights,

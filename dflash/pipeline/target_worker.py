@@ -99,7 +99,7 @@ def run_target(
     import json
 
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.resolve import apply_worker_threads, resolve_target_compile
+    from dflash.resolve import apply_worker_threads
     from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
@@ -127,17 +127,17 @@ def run_target(
         tl.mark("data")
         hb.set("computing", note="loading target")
         spec = resolve_drafter_spec(cfg, parts)
-        target_compile = resolve_target_compile(cfg, device)
-        if target_compile:
-            from dflash.shapes import apply_recompile_limit, shape_plan
+        from dflash.shapes import apply_recompile_limit, shape_plan
 
-            apply_recompile_limit(shape_plan(cfg, target_path=parts.target_path, device=device))
+        plan = shape_plan(cfg, target_path=parts.target_path, device=device)
+        if plan.target_compile:
+            apply_recompile_limit(plan)
         target = TargetCapture(
             parts.target_path,
             spec.target_layer_ids,
             dtype=torch_dtype(cfg.target.dtype),
             device=device,
-            compile=target_compile,
+            compile=plan.target_compile,
         )
         tl.mark("model_load")
         hs = HiddenStateQueue.attach(queue_name)

@@ -85,6 +85,14 @@ def faulted_gpus(findings: Sequence[Finding]) -> dict[int, str]:
     return out
 
 
+def _gpu_label(snap: Snapshot, index: int | None) -> str:
+    """GPU N (its name), as findings name a GPU; "no one GPU" for None."""
+    if index is None:
+        return "no one GPU"
+    g = snap.gpu(index)
+    return f"GPU {index}" + (f" ({g.name})" if g is not None and g.name else "")
+
+
 def fault_precedence(snap: Snapshot, findings: list[Finding]) -> list[Finding]:
     """A GPU hardware fault comes before the worker on it: a dead, hung, stuck or out-of-memory
     worker on a faulted GPU gets the drain advice (a restart onto the GPU fails again), with the
@@ -103,7 +111,7 @@ def fault_precedence(snap: Snapshot, findings: list[Finding]) -> list[Finding]:
             name = g.name if g is not None else None
             f = dataclasses.replace(
                 f,
-                advice=f"GPU {gpu}{f' ({name})' if name else ''} has a hardware fault ({faulted[gpu]}): {DRAIN}",
+                advice=f"{_gpu_label(snap, gpu)} has a hardware fault ({faulted[gpu]}): {DRAIN}",
                 numbers={**f.numbers, "gpu": gpu, "gpu_name": name, "gpu_fault": faulted[gpu]},
             )
         out.append(f)
@@ -162,13 +170,6 @@ def gpu_health(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     return out
 
 
-def _gpu_label(snap: Snapshot, index: int | None) -> str:
-    if index is None:
-        return "no one GPU"
-    g = snap.gpu(index)
-    return f"GPU {index}" + (f" ({g.name})" if g is not None and g.name else "")
-
-
 def nvml_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     snap = history[-1]
     on_gpu = any((w.device or "").startswith("cuda") for w in snap.workers)
@@ -194,19 +195,19 @@ def nvml_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
         Finding(
             severity="warning",
             kind="nvml_hung",
-            subject=f"GPU {g.index}",
+            subject=f"GPU {gpu}",
             message=(
-                f"NVML's {g.stuck_call} on {_gpu_label(snap, g.index)} has not returned for "
-                f"{fmt_duration(g.stuck_s)}: its readings are n/a until it does; the other GPUs are read as usual"
+                f"NVML's {call} on {_gpu_label(snap, gpu)} has not returned for "
+                f"{fmt_duration(stuck_s)}: its readings are n/a until it does; the other GPUs are read as usual"
             ),
             advice=(
                 f"a GPU whose NVML calls hang is failing: look for its XID lines in `dmesg`, run "
-                f"`nvidia-smi -i {g.index}`; if that hangs too, drain GPU {g.index} and reset it"
+                f"`nvidia-smi -i {gpu}`; if that hangs too, drain GPU {gpu} and reset it"
             ),
-            numbers={"gpu": g.index, "call": g.stuck_call, "stuck_s": g.stuck_s},
+            numbers={"gpu": gpu, "call": call, "stuck_s": stuck_s},
         )
-        for g in snap.gpus
-        if g.stuck_call
+        for gpu, call, stuck_s in snap.nvml_stuck
+        if gpu is not None
     ]
     if hung:
         return hung

@@ -233,14 +233,19 @@ def busy_gpu(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     return out
 
 
-def _steady(snap: Snapshot, key: str, th: Thresholds) -> list[float]:
-    """Values of a metrics field past the warm-up, oldest first."""
+def _past_warmup(snap: Snapshot, key: str, th: Thresholds) -> list[Mapping[str, Any]]:
+    """Metrics records past the warm-up with a number in `key`, oldest first."""
     out = []
     for m in snap.metrics:
         v, elapsed = m.get(key), m.get("elapsed_s")
         if isinstance(v, (int, float)) and isinstance(elapsed, (int, float)) and elapsed >= th.warmup_s:
-            out.append(float(v))
+            out.append(m)
     return out
+
+
+def _steady(snap: Snapshot, key: str, th: Thresholds) -> list[float]:
+    """Values of a metrics field past the warm-up, oldest first."""
+    return [float(m[key]) for m in _past_warmup(snap, key, th)]
 
 
 def throughput_vs_baseline(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
@@ -275,38 +280,32 @@ STEADY_BAND = 0.9
 the last such record."""
 
 
-def _steady_records(snap: Snapshot, th: Thresholds, world: int | None) -> list[Mapping[str, Any]]:
-    """Records past the warm-up with a tok/s and a time, at this world size, oldest first."""
-    out = []
-    for m in snap.metrics:
-        if world_of(m) != world or not all(isinstance(m.get(k), (int, float)) for k in ("tok_s", "t")):
-            continue
-        elapsed = m.get("elapsed_s")
-        if isinstance(elapsed, (int, float)) and elapsed >= th.warmup_s:
-            out.append(m)
-    return out
-
-
 def eta_blowup(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
     """The run slowed down: its newest `slowdown_records` records all run `eta_blowup` times below the
     run's steady reference (runner.watch.steady), so its ETA is that many times what the steady rate
     gives. Judged against the best sustained rate, which a slide cannot drag along, and on a few
     records, so a sudden drop is seen within seconds of records."""
     snap = history[-1]
-    world = world_of(snap.metrics[-1]) if snap.metrics else None
     ref = snap.reference
-    recs = _steady_records(snap, th, world)
+    if ref is None:
+        return []
+    recs = [
+        m
+        for m in _past_warmup(snap, "tok_s", th)
+        if world_of(m) == ref.world and isinstance(m.get("t"), (int, float))
+    ]
     newest = recs[-th.slowdown_records :]
-    if ref is None or len(newest) < th.slowdown_records or newest[0]["t"] <= ref.t:
+    if len(newest) < th.slowdown_records or newest[0]["t"] <= ref.t:
         return []
     now_tok = max(float(m["tok_s"]) for m in newest)
     if now_tok <= 0 or ref.tok_s < th.eta_blowup * now_tok:
         return []
     factor = ref.tok_s / now_tok
     since_ref = [m for m in recs if m["t"] > ref.t]
-    steady_last = next((i for i in range(len(since_ref) - 1, -1, -1)
-                        if since_ref[i]["tok_s"] >= STEADY_BAND * ref.tok_s), None)  # fmt: skip
-    began = since_ref[0 if steady_last is None else min(steady_last + 1, len(since_ref) - 1)]
+    # The first record after the last steady one (the newest are all slow, so there is one).
+    began = since_ref[
+        max((i + 1 for i, m in enumerate(since_ref) if m["tok_s"] >= STEADY_BAND * ref.tok_s), default=0)
+    ]
     last = newest[-1]
     span = float(last["t"]) - float(began["t"])
     eta = last.get("eta_s")

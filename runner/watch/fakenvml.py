@@ -148,11 +148,9 @@ class FakeNVML:
         if not self.initialised:
             raise FakeNVMLError(UNINITIALIZED)
         gpu = None if handle is None else self.gpus[handle.index]
-        if gpu is None and name in self.hang and not self._released.is_set():
+        if name in (self.hang if gpu is None else gpu.hang) and not self._released.is_set():
             self._released.wait()
         if gpu is not None:
-            if name in gpu.hang and not self._released.is_set():
-                self._released.wait()
             if gpu.lost:
                 raise FakeNVMLError(GPU_IS_LOST)
             if name in gpu.not_supported:

@@ -184,17 +184,21 @@ class _DeadlineRunner:
     def on_worker(self) -> bool:
         return getattr(_tls, "runner", None) is self
 
-    def answering(self, key: Any = None) -> bool:
-        """NVML as a whole answers (key None), or calls about this key (a GPU index) can be made."""
+    def _prune(self) -> None:
+        """Forget the stuck calls that have returned since."""
         for k in [k for k, job in self.stuck.items() if job.done.is_set()]:
             del self.stuck[k]
+
+    def answering(self, key: Any = None) -> bool:
+        """NVML as a whole answers (key None), or calls about this key (a GPU index) can be made."""
+        self._prune()
         if _ALL in self.stuck or len(self.stuck) >= self.max_stuck:
             return False
         return key is None or key not in self.stuck
 
     def stuck_calls(self) -> list[dict[str, Any]]:
         """[{gpu, call, for_s}] for each call that has not returned (gpu None: about no one GPU)."""
-        self.answering()
+        self._prune()
         now = time.time()
         return [
             {"gpu": None if k == _ALL else k, "call": job.call, "for_s": round(now - job.since, 1)}
@@ -208,7 +212,7 @@ class _DeadlineRunner:
         key = _ALL if key is None else key
         if not self.answering(None if key == _ALL else key):
             return None
-        if self._thread is None or self._jobs is None:
+        if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             self._thread = threading.Thread(
                 target=self._loop, args=(self._jobs,), name="nvml-calls", daemon=True

@@ -45,9 +45,6 @@ class GpuView:
     faults: tuple[str, ...] = ()
     workers: tuple[str, ...] = ()
     """Names of the workers that sit on this GPU (by pid, gpu_uuid or device)."""
-    stuck_call: str | None = None
-    """The NVML function that has not returned for this GPU (its readings are n/a meanwhile)."""
-    stuck_s: float | None = None
 
     @property
     def mem_frac(self) -> float | None:
@@ -195,8 +192,6 @@ def _gpu_view(g: Mapping[str, Any], workers: Sequence[WorkerView]) -> GpuView:
         procs=None if procs is None else tuple((int(p["pid"]), _num(p.get("mem_mb"))) for p in procs),
         faults=tuple(sorted(set((g.get("faults") or {}).values()))),
         workers=tuple(w.name for w in workers if w.gpu_index == g["index"]),
-        stuck_call=g["stuck_call"] if isinstance(g.get("stuck_call"), str) else None,
-        stuck_s=_num(g.get("stuck_s")),
     )
 
 
