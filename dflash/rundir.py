@@ -320,6 +320,7 @@ class Heartbeat:
             "updated_at": now,
             "started_at": now,
         }
+        self._state_s: dict[str, float] = {}  # seconds spent in each state before the current one
         self._interval = interval_s
         self._write_lock = threading.Lock()  # one write at a time, in order: the final state lands last
         self._supervisor = os.environ.get(SUPERVISOR_ENV)
@@ -337,7 +338,10 @@ class Heartbeat:
         with self._lock:
             if state is not None:
                 if state != self._state["state"]:
-                    self._state["state_since"] = time.time()  # how long a state lasts (watch limits it)
+                    now = time.time()
+                    old = self._state["state"]
+                    self._state_s[old] = self._state_s.get(old, 0.0) + now - self._state["state_since"]
+                    self._state["state_since"] = now  # how long a state lasts (watch limits it)
                 self._state["state"] = state
             self._state.update(fields)
             if progress:
@@ -346,13 +350,21 @@ class Heartbeat:
 
     def get(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._state)
+            return {**self._state, "state_s": self._state_seconds(time.time())}
+
+    def _state_seconds(self, now: float) -> dict[str, float]:
+        """Seconds spent in each state since the start, the current one up to now: where a worker's
+        time goes (bench/pipeline.py reads the queue waits from two samples of it)."""
+        out = dict(self._state_s)
+        cur = self._state["state"]
+        out[cur] = out.get(cur, 0.0) + max(0.0, now - self._state["state_since"])
+        return {k: round(v, 3) for k, v in out.items()}
 
     def _write(self) -> None:
         with self._write_lock:
             with self._lock:
-                self._state["updated_at"] = time.time()
-                snap = dict(self._state)
+                now = self._state["updated_at"] = time.time()
+                snap = {**self._state, "state_s": self._state_seconds(now)}
             try:
                 # No fsync: workers set their state several times a step; the file is a live view.
                 atomic_write_json(self.path, _clean(snap), durable=False)

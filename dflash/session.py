@@ -232,6 +232,14 @@ def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
     return {worker: round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
 
 
+def alloc_retries(device: torch.device) -> dict[str, int]:
+    """The caching allocator's retries on a CUDA device (a cudaMalloc that failed, the cache freed,
+    and tried again): a count that grows is memory pressure. Empty off CUDA. A heartbeat field."""
+    if device.type != "cuda":
+        return {}
+    return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
+
+
 def make_batcher(
     cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1, plan: Any = None
 ) -> Any:

@@ -222,7 +222,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
     from dflash.pipeline.state_copy import StateCopier, copy_dir
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
-    from dflash.session import DrafterSide, gpu_mem_gb, resolve_target
+    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb, resolve_target
     from dflash.trainer import Meter, ddp_backend
 
     tl = TIMELINE if spare is None else spare.timeline
@@ -400,6 +400,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
                         },
                     )
                     run.metric(rec)
+                    hb.set(**alloc_retries(device))
                     print(format_status_line(rec), flush=True)
                     last_status = time.time()
                 if side.due_checkpoint(result.step):

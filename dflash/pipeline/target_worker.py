@@ -100,7 +100,7 @@ def run_target(
 
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
-    from dflash.session import make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
+    from dflash.session import alloc_retries, make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
     from dflash.target import TargetCapture
 
     tl = TIMELINE
@@ -153,7 +153,8 @@ def run_target(
         )
         produced = 0
         while not stop.is_set():
-            hb.set(q_pre=pre.q.qsize())
+            depth = pre.q.qsize()
+            hb.set("waiting_input" if depth == 0 else None, q_pre=depth)  # the prefetcher is behind
             try:
                 tensors, meta = pre.q.get(timeout=0.5)
             except queue.Empty:
@@ -170,12 +171,15 @@ def run_target(
                     torch.cuda.synchronize(device)
                 tl.mark("first_forward")
             meta = {**meta, "target": index, "batch": produced}
-            hb.set("waiting_output", q_pre=pre.q.qsize())
+            hb.set(q_pre=pre.q.qsize())
+            # waiting_output only while the queue is full: the copy into the slot waits for the
+            # forward on the device, which is computing (the heartbeat's state_s splits the two).
             ok = hs.put(
                 {**tensors, "hidden": hidden},
                 meta,
                 stop=stop,
                 on_wait=lambda: hb.set("waiting_output", q_pre=pre.q.qsize()),
+                on_reserved=lambda: hb.set("computing"),
             )
             if not ok:
                 break
@@ -192,7 +196,7 @@ def run_target(
                 )
             produced += 1
             atomic_write_json(state_path, meta["data_state"])
-            hb.set("computing", progress=True, step=produced)
+            hb.set("computing", progress=True, step=produced, **alloc_retries(device))
         hs.close()
         return 0
     except Exception as e:

@@ -550,13 +550,17 @@ class HiddenStateQueue:
         *,
         timeout: float | None = None,
         on_wait: Callable[[], None] | None = None,
+        on_reserved: Callable[[], None] | None = None,
         stop: threading.Event | None = None,
     ) -> bool:
-        """Publish one batch; blocks while the queue is full. False when stopped or timed out."""
+        """Publish one batch; blocks while the queue is full (on_wait is called while it waits,
+        on_reserved once a slot is held, before the copy into it). False when stopped or timed out."""
         header, offsets, needed = self._plan(tensors, meta)
         slot = self._wait_for(self._reserve, timeout, on_wait, stop)
         if slot is None:
             return False
+        if on_reserved is not None:
+            on_reserved()
         try:
             base = self._data_offset + slot * self._stride
             struct.pack_into("<I", self._mm, base, len(header))

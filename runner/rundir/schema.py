@@ -294,6 +294,8 @@ HEARTBEAT = Schema(
         "updated_at": NUM,
         "started_at": opt(NUM),
         "q_pre": opt(NUM),
+        "state_s": opt(dict_of(NUM)),
+        "alloc_retries": opt(INT),
     },
 )
 

@@ -124,3 +124,27 @@ def test_heartbeat_state_since_moves_only_when_the_state_changes(tmp_path):
     on_disk = json.loads(run.heartbeat_path("drafter", 0).read_text())
     assert on_disk["state_since"] == hb.get()["state_since"]
     hb.stop()
+
+
+def test_heartbeat_state_s_adds_up_the_time_in_each_state(tmp_path):
+    """state_s: the seconds in each state so far, the current one up to the write; over a window the
+    states' shares add up to its length (bench/pipeline.py's gap profile reads two samples)."""
+    run = RunDir(tmp_path / "r").create()
+    hb = Heartbeat(run, "target", 0, device="cpu", interval_s=10).start()
+    hb.set("computing")
+    time.sleep(0.2)
+    hb.set("waiting_output")
+    time.sleep(0.1)
+    hb.set("waiting_output", q_pre=3)  # the same state again: its time runs on
+    time.sleep(0.1)
+    hb.set("computing")
+    time.sleep(0.05)
+    hb.set(step=1)
+    on_disk = json.loads(run.heartbeat_path("target", 0).read_text())
+    s = on_disk["state_s"]
+    assert s["computing"] == pytest.approx(0.25, abs=0.04)
+    assert s["waiting_output"] == pytest.approx(0.2, abs=0.04)
+    assert sum(s.values()) == pytest.approx(on_disk["updated_at"] - on_disk["started_at"], abs=0.005)
+    later = hb.get()["state_s"]
+    assert later["computing"] > s["computing"] and later["waiting_output"] == s["waiting_output"]
+    hb.stop()
