@@ -58,7 +58,7 @@ else
   GPU=0; TINY=(--tiny); echo "no GPU: running the tiny CPU variants instead"
 fi
 
-# H200_PIPELINE_ARGS: extra bench/pipeline.py flags, e.g. "--target-compile"; H200_STEP_ARGS and
+# H200_PIPELINE_ARGS: extra bench/pipeline.py flags, e.g. "--target-compile false"; H200_STEP_ARGS and
 # H200_HEAD_ARGS the same for bench/drafter_step.py ("--backends flex") and bench/head_loss.py
 # ("--skip-unchunked --ce-sweep").
 # budget CAP [RESERVE]: seconds this step may use, leaving RESERVE for the steps after it.
@@ -344,7 +344,10 @@ if p:
     for k in ("baseline_tok_s", "target_only_tok_s", "drafter_only_tok_s", "e2e_tok_s"):
         print(f"  {k:24} {fmt(s[k]):>10}")
     print(f"  capture speedup          {fmt(s['capture_speedup_vs_baseline'], '{:.2f}x'):>10}  (goal >= 1.25x)")
-    print(f"  pipeline efficiency      {fmt(s['pipeline_efficiency'], '{:.1%}'):>10}  (goal >= 95%)")
+    print(f"  bound ({s['bound']})            {fmt(s['bound_tok_s']):>10}")
+    print(f"  end-to-end / bound       {fmt(s['efficiency'], '{:.1%}'):>10}  (goal >= {s['goal_efficiency']:.0%})")
+    for cause in ((p.get("e2e") or {}).get("gap_profile") or {}).get("causes", []):
+        print(f"    gap: {cause}")
 for name in ("drafter_step_before.json", "drafter_step.json", "drafter_step_qk.json", "drafter_step_ab.json"):
     for r in (load(name) or {}).get("results", []):
         split = (r.get("profile") or {}).get("per_step_ms") or {}

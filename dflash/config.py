@@ -262,9 +262,11 @@ class DrafterConfig:
 class AttentionConfig:
     SECTION: ClassVar[str] = "attention"
     backend: str = "auto"
-    """flex | sdpa | auto (flex on GPU, sdpa on CPU: flex has no backward on CPU)."""
+    """flex | sdpa | auto (flex on GPU, sdpa on CPU: flex has no backward on CPU). On the H200 the 8B
+    step ran 272.2 ms with flex against 336.4 ms with sdpa (1.24x; docs/BENCHMARKS.md)."""
     compile: bool = True
-    """torch.compile the attention kernel (flex) and create_block_mask."""
+    """torch.compile the attention kernel (flex), the drafter's layers and create_block_mask; also
+    what target.compile, train.fused_loss and attention.fused_qk_norm_rope resolve auto from."""
     strict_kernels: str = "auto"
     """true | false | auto (true on GPU): stop the worker on a degraded kernel."""
     sdpa_chunk_blocks: Annotated[int, AtLeast1] = 64
@@ -272,7 +274,8 @@ class AttentionConfig:
     tuned_kernels: bool = True
     """flex: compile with the kernel options (tiles, stages, warps) measured best for the DFlash mask
     on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
-    defaults. GPUs without a measured entry always get the defaults."""
+    defaults. GPUs without a measured entry always get the defaults. On the H200, with the
+    closed-form BlockMask, the 8B step went from 289.0 ms to 276.7 ms (docs/BENCHMARKS.md)."""
     flex_kernels: str = "auto"
     """flex | dflash | auto (= dflash on a GPU, flex elsewhere): the flex backend's attention kernels:
     flex's own (compiled by inductor from the mask), or dflash's hand-written Triton forward and
@@ -374,11 +377,14 @@ class TrainConfig:
     """Used for the ETA/epoch estimate only; the run stops at total_steps."""
     loss_chunk_tokens: Annotated[int, AtLeast1] = 8192
     """Block tokens per LM-head/cross-entropy chunk (bounds the logits memory; fused, rounded down to
-    a multiple of 64)."""
+    a multiple of 64). The whole loss in one chunk (16384) measured 260.5 ms against 259.5 with 8192
+    on the H200, peak 36.5 GiB against 34.2 (docs/BENCHMARKS.md): the default stays."""
     fused_loss: str = "auto"
     """true | false | auto (true on GPU with attention.compile): each loss chunk's softmax,
     cross-entropy, accuracy and logits gradient as one compiled function (one generated kernel)
-    instead of eager elementwise passes over fp32 [chunk, vocab]. Same results, less time and memory."""
+    instead of eager elementwise passes over fp32 [chunk, vocab]. Same results, less time and memory:
+    on the H200 the 8B step's loss went from 67.2 ms to 8.0 (the step 340.2 -> 289.0 ms) and its peak
+    allocated memory from 56.1 GiB to 38.7 (docs/BENCHMARKS.md)."""
     bf16_weights: str = "auto"
     """true | false | auto (true on a GPU for a single drafter): the drafter's linear layers hold bf16
     weights, the ones autocast computes with, and the optimizer keeps their float32 masters and writes
@@ -388,13 +394,15 @@ class TrainConfig:
     results agree to bf16 tolerance, not bitwise (tests/dflash/test_trainer_step.py, on the GPU). In
     a drafter group (pipeline.drafters x nnodes > 1), true averages the gradients in bf16: half the
     all-reduce bytes, and one bf16 rounding more in the averaged gradient, which is why auto leaves a
-    group on float32 weights. Needs CUDA."""
+    group on float32 weights: slower by the casts' 3.5 ms a step, for gradients averaged in float32.
+    Needs CUDA."""
     tau_eval: str = "auto"
     """true | false | auto (true where the drafters train on the CPU): after each checkpoint the
     pipeline's supervisor measures tau, the acceptance length under real speculative decoding
     (`python -m dflash.eval` on the checkpoint, a process of its own at low CPU priority, on the
     CPU), and writes a `tau` event; watch, report and ps read it. auto leaves GPU jobs off: the
-    eval would need a second, full copy of the target beside the workers' (docs/watch.md)."""
+    eval would need a second, full copy of the target beside the workers' (docs/watch.md). Its cost
+    on the 2-core CPU demo: first step -> done 74.1 s off, 84.1 s on (+13%; docs/BENCHMARKS.md)."""
     tau_prompts: str = ""
     """The held-out prompts of the in-job tau (a JSONL file of text or messages records that the
     job does not train on); empty = `demo` for the demo corpus (records of another seed), else none
@@ -450,14 +458,21 @@ class PipelineConfig:
     the newest checkpoint. Two copies per host (float32 weights and AdamW moments: 12 bytes per
     trainable parameter each); the copy overlaps the next step. 0 = off. A batch is acked once a
     copy holds its step, so each drafter holds up to state_copy_every + 1 batches of the queue (and
-    one more for the moment the newest copy takes), which pipeline.queue_depth must leave room for."""
+    one more for the moment the newest copy takes), which pipeline.queue_depth must leave room for.
+    The default keeps a death's loss to one step at a price that depends on the step's length: a
+    copy of the 8B drafter (12.6 GB) takes about 0.48 s, so at a 258 ms step (2 x 4096 rows, H100)
+    every step cost +84.5% and every 10 steps +8.7%; the shipped 12 x 4096 step (about 1.5 s) hides
+    more of it behind the next forward and backward (not measured: docs/BENCHMARKS.md). Where steps
+    are short, raise it (and pipeline.queue_depth with it)."""
     spare_drafters: str = "auto"
     """A spare drafter process per local drafter rank, started ahead (dflash.pipeline.spare), that
     takes over when the group restarts, so a new generation skips the imports, CUDA start, frozen
     head load and model build: host (those made on the host, about 4 bytes per trainable parameter
     plus the frozen embedding and head; on the GPU a CUDA context), graphs (also its compiled graphs
     loaded by one warm-up step per planned shape on its device: a second step's peak memory there,
-    and a one-rank group only), auto (graphs where that fits, else host), off."""
+    and a one-rank group only), auto (graphs where that fits, else host), off. On the CPU demo a
+    drafter death's kill -> first trained step went from 7.7 s (off) to 0.8 s (auto, graphs);
+    docs/BENCHMARKS.md."""
 
     def __post_init__(self) -> None:
         check_fields(self)
