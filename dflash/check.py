@@ -11,6 +11,8 @@ too). With --json the last stdout line is one object, for dflashctl to parse:
      "config": the resolved config, or null when the config has errors,
      "shm_bytes": bytes of /dev/shm the host's hidden-state queue and its two drafter state copies
                   (pipeline.state_copy_every) map, or null when unknown,
+     "plan": the job plan on this machine (dflash.plan: device, attention, loss and precision
+             choices, target compile, drafter sizes, shape plan, recompile limit, placement), or null,
      "entry": "dflash.launch"}
 `key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments,
 --run-dir). Config errors are the job's own validation (dflash.config: each field's Range and the
@@ -54,6 +56,8 @@ class Report:
     config: dict[str, Any] | None = None
     """The resolved config; None when the config itself has errors (it would show defaults there)."""
     shm_bytes: int | None = None
+    plan: dict[str, Any] | None = None
+    """The job plan (dflash.plan.JobPlan.to_dict) on this machine; None when the config has errors."""
     spare: dict[str, Any] | None = None
     """The spare drafters (pipeline.spare_drafters) as the launcher resolves them here: mode, why,
     host_bytes and gpu_bytes each, per_host of them."""
@@ -75,6 +79,7 @@ class Report:
             "config": self.config,
             "shm_bytes": self.shm_bytes,
             "spare": self.spare,
+            "plan": self.plan,
             "entry": ENTRY,
         }
 
@@ -129,7 +134,46 @@ def check(
         report.spare = _spare(cfg, sizes, report)
     if device is not None:
         _check_fused_qk_norm_rope(cfg, device, sizes, report)
+        if not report.errors:
+            report.plan = _plan(cfg, device, sizes, report)
     return report
+
+
+def _plan(
+    cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report
+) -> dict[str, Any] | None:
+    """The job plan (dflash.plan) as the job will build it here. The mask token is the tokenizer's
+    unless drafter.mask_token_id sets it; the check reads no tokenizer, so the printed spec says
+    null for it then."""
+    from dflash.plan import build_plan
+
+    target = None if sizes is None else _target_config(sizes)
+    mask = cfg.drafter.mask_token_id
+    path = None if cfg.target.path == "tiny" else cfg.target.path
+    try:
+        plan = build_plan(
+            cfg, device=device, target_config=target, mask_token_id=max(mask, 0), target_path=path
+        ).to_dict()
+    except (ConfigError, DFlashError, ValueError, TypeError) as e:
+        report.warn("", f"the job plan cannot be built here ({e})")
+        return None
+    if plan["spec"] is not None and mask < 0:
+        plan["spec"]["mask_token_id"] = None  # the tokenizer's, read when the job starts
+    return plan
+
+
+def _target_config(sizes: TargetSizes) -> Any:
+    """The target's config as an object the drafter's sizes resolve from, from config.json alone."""
+    if sizes.config is None:  # the tiny demo target
+        from dflash.demo import tiny_config
+
+        return tiny_config(sizes.layers, sizes.hidden)
+    from transformers import Qwen3Config
+
+    text = {k: v for k, v in sizes.config.items() if k != "model_type"}
+    if "num_attention_heads" in text:  # as transformers reads a config.json without it
+        text.setdefault("num_key_value_heads", text["num_attention_heads"])
+    return Qwen3Config(**text)
 
 
 def _check_devices(cfg: JobConfig, report: Report) -> torch.device | None:
@@ -307,17 +351,7 @@ def _drafter_spec(cfg: JobConfig, sizes: TargetSizes, report: Report, key: str, 
     from dflash.spec import resolve_spec
 
     try:
-        if sizes.config is None:  # the tiny demo target
-            from dflash.demo import tiny_config
-
-            target = tiny_config(sizes.layers, sizes.hidden)
-        else:
-            from transformers import Qwen3Config
-
-            text = {k: v for k, v in sizes.config.items() if k != "model_type"}
-            if "num_attention_heads" in text:  # as transformers reads a config.json without it
-                text.setdefault("num_key_value_heads", text["num_attention_heads"])
-            target = Qwen3Config(**text)
+        target = _target_config(sizes)
         # The mask token does not change the trainable sizes (the embedding and head are frozen).
         return resolve_spec(cfg.drafter, target, 0)
     except (ConfigError, DFlashError, ValueError, TypeError) as e:

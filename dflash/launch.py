@@ -35,6 +35,7 @@ from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, STOP_FILE_ENV, worker_devices
 from dflash.pipeline.drafter_entry import SPARE_DIR_ENV, socket_dir
 from dflash.pipeline.timeline import DETECTED_AT_ENV, GENERATION_ENV, LAUNCHED_AT_ENV, SPAWNED_AT_ENV
+from dflash.resolve import resolve_tau_eval
 from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
@@ -778,12 +779,6 @@ def _metric_at(path: Path, step: int | None, key: str, tail: int = 1 << 16) -> f
         if isinstance(rec.get("step"), int) and rec["step"] <= step and isinstance(value, int | float):
             return float(value)
     return None
-
-
-def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
-    """train.tau_eval: auto is on where the drafters train on the CPU (the eval runs there too)."""
-    s = str(cfg.train.tau_eval).lower()
-    return all(d == "cpu" for d in drafters) if s == "auto" else s == "true"
 
 
 def tau_prompts(cfg: JobConfig) -> str | None:

@@ -140,6 +140,12 @@ def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
     return s == "true"
 
 
+def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
+    """train.tau_eval: auto is on where the drafters train on the CPU (the eval runs there too)."""
+    s = str(cfg.train.tau_eval).lower()
+    return all(d == "cpu" for d in drafters) if s == "auto" else s == "true"
+
+
 def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
     """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
     start = 1 if n_target_layers > 1 else 0

@@ -1,0 +1,158 @@
+"""The job plan: what a job will do on this machine, decided once, as data.
+
+    plan = build_plan(cfg, target_config=..., mask_token_id=..., target_path=...)
+
+One function (build_plan) asks every resolver (dflash.resolve, dflash.spec, dflash.shapes,
+dflash.pipeline.worker_devices) and returns a frozen JobPlan: the device, the attention plan (the
+backend and its kernel choices as one object), kernel strictness, the loss and precision choices,
+the target's compile, the drafter's resolved sizes, the shape plan and its recompile limit, where
+each worker runs, and whether the job measures tau. `python -m dflash.check --json` prints it
+(`plan`); two plans compare whole (tests/dflash/test_plan.py).
+
+Light, as dflash.resolve is: no transformers import, no model, no data. The drafter's sizes need
+the target's config (an object with its sizes, as transformers' or dflash.demo's tiny one) and the
+mask token (the tokenizer's, or drafter.mask_token_id); without them the plan has no `spec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.config import JobConfig
+from dflash.shapes import ShapePlan
+from dflash.spec import DrafterSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """The drafter's attention as the job runs it."""
+
+    backend: str
+    """flex or sdpa (attention.backend resolved on the device)."""
+    compile: bool
+    tuned_kernels: bool
+    flex_kernels: str
+    """flex or dflash: whose kernels the flex backend runs."""
+    fused_qk_norm_rope: bool
+    sdpa_chunk_blocks: int
+    strict: bool
+    """A degraded kernel stops the worker (attention.strict_kernels resolved)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "compile": self.compile,
+            "tuned_kernels": self.tuned_kernels,
+            "flex_kernels": self.flex_kernels,
+            "fused_qk_norm_rope": self.fused_qk_norm_rope,
+            "sdpa_chunk_blocks": self.sdpa_chunk_blocks,
+            "strict": self.strict,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlan:
+    device: str
+    """The job's device ("cuda", "cpu", "cuda:1"): the single-process job's, warm-cache's, and the
+    device type every worker's choices below were resolved for."""
+    attention: AttentionPlan
+    fused_loss: bool
+    bf16_weights: bool
+    """The drafter's linear layers hold bf16 weights (train.bf16_weights resolved)."""
+    target_compile: bool
+    drafter_world: int
+    """Ranks of the drafter group over all hosts (above 1: DDP)."""
+    shapes: ShapePlan
+    spec: DrafterSpec | None
+    """The drafter's resolved sizes; None where the plan was built without the target's config."""
+    target_devices: tuple[str, ...]
+    drafter_devices: tuple[str, ...]
+    """Devices of this host's target workers and local drafter ranks (the pipeline's placement)."""
+    tau_eval: bool
+    """The pipeline measures tau after each checkpoint (train.tau_eval resolved)."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def recompile_limit(self) -> int:
+        """dynamo's recompile limit: exactly the graphs the shape plan compiles (dflash.shapes)."""
+        return self.shapes.recompile_limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "attention": self.attention.to_dict(),
+            "fused_loss": self.fused_loss,
+            "bf16_weights": self.bf16_weights,
+            "target_compile": self.target_compile,
+            "drafter_world": self.drafter_world,
+            "shape_plan": self.shapes.to_dict(),
+            "recompile_limit": self.recompile_limit,
+            "spec": None if self.spec is None else self.spec.to_dict(),
+            "placement": {"targets": list(self.target_devices), "drafters": list(self.drafter_devices)},
+            "tau_eval": self.tau_eval,
+        }
+
+
+def build_plan(
+    cfg: JobConfig,
+    *,
+    device: torch.device | None = None,
+    target_config: Any = None,
+    mask_token_id: int | None = None,
+    target_path: str | None = None,
+) -> JobPlan:
+    """The plan of `cfg` on this machine. device: the job's (None: run.device resolved, which refuses
+    cuda where none is visible); target_config and mask_token_id: the drafter's sizes (without
+    them no spec, and the fused q/k kernel is judged without the drafter's head dim); target_path:
+    the target's directory, whose config.json counts the compiled target's layer types. A choice
+    the machine cannot run raises ConfigError naming its key."""
+    from dflash.pipeline import worker_devices
+    from dflash.resolve import (
+        drafter_world,
+        resolve_backend,
+        resolve_bf16_weights,
+        resolve_device,
+        resolve_flex_kernels,
+        resolve_fused_loss,
+        resolve_fused_qk_norm_rope,
+        resolve_strict,
+        resolve_target_compile,
+        resolve_tau_eval,
+    )
+    from dflash.shapes import shape_plan
+    from dflash.spec import resolve_spec
+
+    device = device if device is not None else resolve_device(cfg)
+    spec = None
+    if target_config is not None and mask_token_id is not None:
+        spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
+    a = cfg.attention
+    attention = AttentionPlan(
+        backend=resolve_backend(cfg, device),
+        compile=a.compile,
+        tuned_kernels=a.tuned_kernels,
+        flex_kernels=resolve_flex_kernels(cfg, device),
+        fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, None if spec is None else spec.head_dim),
+        sdpa_chunk_blocks=a.sdpa_chunk_blocks,
+        strict=resolve_strict(cfg, device),
+    )
+    targets, drafters = worker_devices(cfg)
+    return JobPlan(
+        device=str(device),
+        attention=attention,
+        fused_loss=resolve_fused_loss(cfg, device),
+        bf16_weights=resolve_bf16_weights(cfg, device),
+        target_compile=resolve_target_compile(cfg, device),
+        drafter_world=drafter_world(cfg),
+        shapes=shape_plan(cfg, target_path=target_path, device=device),
+        spec=spec,
+        target_devices=tuple(targets),
+        drafter_devices=tuple(drafters),
+        tau_eval=resolve_tau_eval(cfg, drafters),
+    )
