@@ -283,13 +283,13 @@ def job_batches(cfg: Any, work: Path, count: int) -> list[Any]:
     from itertools import islice
 
     from dflash.rundir import RunDir
-    from dflash.session import make_batcher, prepare_data
+    from dflash.session import make_batcher, plan_job, prepare_data
 
     scratch = work / "phase-data"
     shutil.rmtree(scratch, ignore_errors=True)
     run = RunDir(scratch).create()
     parts = prepare_data(cfg, run)
-    return list(islice(make_batcher(cfg, parts.dataset), count))
+    return list(islice(make_batcher(cfg, parts.dataset, plan=plan_job(cfg, parts).shapes), count))
 
 
 # ---- phases 3-5: in-process throughputs -------------------------------------------------------
@@ -337,12 +337,13 @@ def bench_target(
 ) -> dict:
     import torch
 
+    from dflash.plan import build_plan
     from dflash.session import torch_dtype
-    from dflash.shapes import apply_recompile_limit, shape_plan
+    from dflash.shapes import apply_recompile_limit
     from dflash.target import TargetCapture
 
     dev = torch.device(device)
-    plan = shape_plan(cfg, target_path=str(target_dir), device=dev)  # as the target worker resolves it
+    plan = build_plan(cfg, device=dev, target_path=str(target_dir)).shapes  # as the target worker plans it
     if plan.target_compile:
         apply_recompile_limit(plan)
     t0 = time.perf_counter()

@@ -121,45 +121,58 @@ def check(
         report.warn(w.key, w.problem)
     for key, message in host_problems(cfg, nnodes, node_rank, rdzv_endpoint)[2]:
         report.error(key, message)
-    device = _check_devices(cfg, report)
+    _check_devices(cfg, report)
     _check_writable("run.runs_root", cfg.run.runs_root, report)
     if cfg.data.cache_dir:
         _check_writable("data.cache_dir", cfg.data.cache_dir, report)
     _check_data(cfg, report)
     sizes = _target_sizes(cfg, report)
+    device = _check_choices(cfg, sizes, report)
+    job = _plan(cfg, device, sizes, report) if device is not None and not report.errors else None
     if sizes is not None:
+        spec = None if job is None else job.spec
         queue = _shm_bytes(cfg, sizes.layers, sizes.hidden, report)
-        copies = _state_copy_bytes(cfg, sizes, report)
+        copies = _state_copy_bytes(cfg, spec, report)
         report.shm_bytes = None if queue is None else queue + copies
-        report.spare = _spare(cfg, sizes, report)
-    if device is not None:
-        _check_fused_qk_norm_rope(cfg, device, sizes, report)
-        if not report.errors:
-            report.plan = _plan(cfg, device, sizes, report)
+        report.spare = _spare(cfg, spec, report)
+    if job is not None and not report.errors:
+        report.plan = job.to_dict()
+        if report.plan["spec"] is not None and cfg.drafter.mask_token_id < 0:
+            report.plan["spec"]["mask_token_id"] = None  # the tokenizer's, read when the job starts
     return report
 
 
-def _plan(
-    cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report
-) -> dict[str, Any] | None:
-    """The job plan (dflash.plan) as the job will build it here. The mask token is the tokenizer's
-    unless drafter.mask_token_id sets it; the check reads no tokenizer, so the printed spec says
-    null for it then."""
+def _check_choices(cfg: JobConfig, sizes: TargetSizes | None, report: Report) -> torch.device | None:
+    """The job's device (None where run.device is refused) and every choice the plan makes on it
+    that this machine cannot run, reported by key (dflash.plan.plan_problems). The fused q/k kernel
+    is judged with the drafter's head dim where the target's config.json gives it."""
+    from dflash.plan import plan_problems
+    from dflash.spec import drafter_head_dim
+
+    head_dim = (
+        None if sizes is None else drafter_head_dim(cfg.drafter, sizes.hidden, sizes.heads, sizes.head_dim)
+    )
+    device, problems = plan_problems(cfg, head_dim=head_dim)
+    for e in problems:
+        report.config_error(e)
+    return device
+
+
+def _plan(cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report) -> Any:
+    """The job plan (dflash.plan) as the job will build it here, the drafter's sizes from the
+    target's config.json (None, with a warning, where they cannot be resolved). The mask token does
+    not change the trainable sizes; the check reads no tokenizer, so it plans with the config's or 0."""
     from dflash.plan import build_plan
 
-    target = None if sizes is None else _target_config(sizes)
-    mask = cfg.drafter.mask_token_id
     path = None if cfg.target.path == "tiny" else cfg.target.path
     try:
-        plan = build_plan(
-            cfg, device=device, target_config=target, mask_token_id=max(mask, 0), target_path=path
-        ).to_dict()
+        target = None if sizes is None else _target_config(sizes)
+        mask = max(cfg.drafter.mask_token_id, 0)
+        return build_plan(cfg, device=device, target_config=target, mask_token_id=mask, target_path=path)
     except (ConfigError, DFlashError, ValueError, TypeError) as e:
-        report.warn("", f"the job plan cannot be built here ({e})")
+        # What stops the drafter's sizes is reported by the checks it belongs to; alone, a warning.
+        report.warn("", f"the job plan cannot be built here: the drafter cannot be sized ({e})")
         return None
-    if plan["spec"] is not None and mask < 0:
-        plan["spec"]["mask_token_id"] = None  # the tokenizer's, read when the job starts
-    return plan
 
 
 def _target_config(sizes: TargetSizes) -> Any:
@@ -176,29 +189,13 @@ def _target_config(sizes: TargetSizes) -> Any:
     return Qwen3Config(**text)
 
 
-def _check_devices(cfg: JobConfig, report: Report) -> torch.device | None:
-    """The job's device (None where run.device is refused) and what depends on it, reported."""
+def _check_devices(cfg: JobConfig, report: Report) -> None:
+    """The device lists and the placement on them, reported."""
     import torch
 
     from dflash.pipeline import worker_devices
     from dflash.placement import cuda_index, missing_devices, placement_problems
-    from dflash.resolve import (
-        resolve_backend,
-        resolve_bf16_weights,
-        resolve_device,
-    )
 
-    device: torch.device | None = None
-    try:
-        device = resolve_device(cfg)
-    except ConfigError as e:
-        report.config_error(e)
-    else:
-        for resolve in (resolve_backend, resolve_bf16_weights):
-            try:
-                resolve(cfg, device)
-            except ConfigError as e:
-                report.config_error(e)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = cfg.pipeline
     before = len(report.errors)
@@ -223,12 +220,11 @@ def _check_devices(cfg: JobConfig, report: Report) -> torch.device | None:
         if problem is not None:
             report.config_error(problem)
     if len(report.errors) > before:
-        return device  # worker_devices below would refuse the same lists
+        return  # worker_devices below would refuse the same lists
 
     targets, drafters = worker_devices(cfg)
     for problem in placement_problems(cfg, targets, drafters, device_count=None):
         report.config_error(problem)
-    return device
 
 
 def _check_data(cfg: JobConfig, report: Report) -> None:
@@ -294,24 +290,6 @@ def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
     return TargetSizes(layers, hidden, optional("num_attention_heads"), optional("head_dim"), sizes)
 
 
-def _check_fused_qk_norm_rope(
-    cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report
-) -> None:
-    """attention.fused_qk_norm_rope as the trainer resolves it, with the drafter's head dim where the
-    target's config.json gives it (dflash.spec.drafter_head_dim): true where dflash's kernels do not
-    run, or with a head dim the kernel cannot take, is refused here rather than in a worker."""
-    from dflash.resolve import resolve_fused_qk_norm_rope
-    from dflash.spec import drafter_head_dim
-
-    head_dim = (
-        None if sizes is None else drafter_head_dim(cfg.drafter, sizes.hidden, sizes.heads, sizes.head_dim)
-    )
-    try:
-        resolve_fused_qk_norm_rope(cfg, device, head_dim)
-    except ConfigError as e:
-        report.config_error(e)
-
-
 def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:
     """Bytes of /dev/shm the launcher's hidden-state queue maps, exactly as it will size it."""
     from dflash.launch import slot_bytes, slot_problem
@@ -343,41 +321,25 @@ def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int 
     return need
 
 
-def _drafter_spec(cfg: JobConfig, sizes: TargetSizes, report: Report, key: str, what: str) -> Any:
-    """The drafter's spec from the target's config.json (None, with a warning on `key`, when it cannot
-    be resolved; nothing is built for a config with errors: the check fails anyway)."""
-    if report.errors:
-        return None
-    from dflash.spec import resolve_spec
-
-    try:
-        target = _target_config(sizes)
-        # The mask token does not change the trainable sizes (the embedding and head are frozen).
-        return resolve_spec(cfg.drafter, target, 0)
-    except (ConfigError, DFlashError, ValueError, TypeError) as e:
-        # What stops the drafter's sizes is reported by the checks it belongs to; alone, a warning.
-        report.warn(key, f"{what} cannot be sized from the target's config.json ({e})")
-        return None
-
-
-def _state_copy_bytes(cfg: JobConfig, sizes: TargetSizes, report: Report) -> int:
+def _state_copy_bytes(cfg: JobConfig, spec: Any, report: Report) -> int:
     """Bytes of /dev/shm the host's two drafter state copies take (pipeline.state_copy_every), as
-    the launcher sizes them: the drafter built on the meta device from the target's config.json."""
+    the launcher sizes them: the drafter built on the meta device from the plan's spec."""
     if not cfg.pipeline.state_copy_every:
         return 0
     from dflash.pipeline.state_copy import copies_nbytes
 
-    spec = _drafter_spec(
-        cfg,
-        sizes,
-        report,
-        "pipeline.state_copy_every",
-        "the drafter state copies (shm_bytes counts the queue only)",
-    )
-    return 0 if spec is None else copies_nbytes(spec)
+    if spec is None:
+        if not report.errors:
+            report.warn(
+                "pipeline.state_copy_every",
+                "the drafter state copies cannot be sized from the target's config.json "
+                "(shm_bytes counts the queue only)",
+            )
+        return 0
+    return copies_nbytes(spec)
 
 
-def _spare(cfg: JobConfig, sizes: TargetSizes, report: Report) -> dict[str, Any] | None:
+def _spare(cfg: JobConfig, spec: Any, report: Report) -> dict[str, Any] | None:
     """The spare drafters' mode and cost on this host, decided as the launcher decides them before
     any worker (dflash.launch.plan_spares); a mode asked for that does not fit is an error naming
     the key."""
@@ -385,8 +347,11 @@ def _spare(cfg: JobConfig, sizes: TargetSizes, report: Report) -> dict[str, Any]
     from dflash.pipeline import worker_devices
     from dflash.session import torch_dtype
 
-    spec = _drafter_spec(cfg, sizes, report, "pipeline.spare_drafters", "the spare drafters")
     if spec is None:
+        if not report.errors:
+            report.warn(
+                "pipeline.spare_drafters", "the spare drafters cannot be sized from the target's config.json"
+            )
         return None
     try:
         devices = worker_devices(cfg)

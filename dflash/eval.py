@@ -46,7 +46,7 @@ class Source:
     """The run's job config (None for an export)."""
 
 
-def resolve_source(path: Path, target: str | None) -> Source:
+def open_source(path: Path, target: str | None) -> Source:
     from dflash.checkpoint import find_latest
 
     if not path.exists():
@@ -89,9 +89,9 @@ def resolve_source(path: Path, target: str | None) -> Source:
         )
     if target is not None:
         return Source(drafter_dir, kind, target, "target", cfg)
-    from dflash.session import resolve_target_path
+    from dflash.session import locate_target
 
-    return Source(drafter_dir, kind, resolve_target_path(cfg), cfg.data.tokenizer, cfg)
+    return Source(drafter_dir, kind, locate_target(cfg), cfg.data.tokenizer, cfg)
 
 
 def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
@@ -219,7 +219,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from dflash.specdec import decode, decode_plain, greedy, summarize
     from dflash.tokenizer import load_tokenizer
 
-    src = resolve_source(Path(args.source), args.target)
+    src = open_source(Path(args.source), args.target)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = load_tokenizer(src.tokenizer_kind, src.target_path)
     run_defaults(args, src)

@@ -25,7 +25,7 @@ from dflash.rundir import install_dir
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def resolve_step(path: Path) -> Path:
+def find_step(path: Path) -> Path:
     from dflash.checkpoint import find_latest
 
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
@@ -49,7 +49,7 @@ def export(src: Path, out: Path, *, dtype: str = "bfloat16", force: bool = False
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out.exists() and not force:
         raise DFlashError(f"{out} exists; pass --force to replace it, or choose another directory")
-    step = resolve_step(src)
+    step = find_step(src)
     config = json.loads((step / "config.json").read_text())
     DrafterSpec.from_hf_config(config)  # refuses anything that is not a DFlash drafter config
     weights = load_file(str(step / "model.safetensors"))

@@ -83,12 +83,10 @@ def env_fingerprint(device_type: str) -> dict[str, Any]:
     return env
 
 
-def target_fingerprint(cfg: Any, spec: Any, target_path: str, device: Any = None) -> dict[str, Any]:
-    """What the target's compiled layers depend on: nothing when it is not compiled; else its
-    architecture (config.json, which the kept layers are built from) and how many layers are kept."""
-    from dflash.resolve import resolve_target_compile
-
-    if not resolve_target_compile(cfg, device):
+def target_fingerprint(cfg: Any, plan: Any, target_path: str) -> dict[str, Any]:
+    """What the target's compiled layers depend on: nothing when the plan does not compile it; else
+    its architecture (config.json, which the kept layers are built from) and how many layers are kept."""
+    if not plan.target_compile:
         return {"compile": False}
     from dflash.shapes import read_target_config
 
@@ -96,64 +94,56 @@ def target_fingerprint(cfg: Any, spec: Any, target_path: str, device: Any = None
     return {
         "compile": True,
         "config_sha256": hashlib.sha256(canonical_json(target_cfg)).hexdigest(),
-        "layers_kept": max(spec.target_layer_ids) + 1,
+        "layers_kept": max(plan.spec.target_layer_ids) + 1,
         "dtype": cfg.target.dtype,
     }
 
 
-def job_fingerprint(cfg: Any, spec: Any, device_type: str, backend: str, target_path: str) -> dict[str, Any]:
-    import torch
-
-    from dflash.resolve import resolve_bf16_weights, resolve_flex_kernels, resolve_fused_qk_norm_rope
-    from dflash.shapes import shape_plan
-
-    device = torch.device(device_type)
-    bf16_weights = resolve_bf16_weights(cfg, device)
-
+def job_fingerprint(cfg: Any, plan: Any, target_path: str) -> dict[str, Any]:
+    """The compiled code's inputs from the job plan (dflash.plan): its shapes, kernels, precision."""
+    a = plan.attention
     return {
-        "target": target_fingerprint(cfg, spec, target_path, device),
-        "shape_plan": shape_plan(cfg, target_path=target_path, device=device).to_dict(),
+        "target": target_fingerprint(cfg, plan, target_path),
+        "shape_plan": plan.shapes.to_dict(),
         "num_anchors": cfg.train.num_anchors,
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "target_dtype": cfg.target.dtype,
-        "autocast": "bfloat16" if device_type == "cuda" else None,
-        "linear_weights": "bfloat16" if bf16_weights else "float32",  # the layers' graphs take them
+        "autocast": "bfloat16" if plan.torch_device.type == "cuda" else None,
+        "linear_weights": "bfloat16" if plan.bf16_weights else "float32",  # the layers' graphs take them
         "attention": {
-            "backend": backend,
-            "compile": cfg.attention.compile,
-            "sdpa_chunk_blocks": cfg.attention.sdpa_chunk_blocks,
+            "backend": a.backend,
+            "compile": a.compile,
+            "sdpa_chunk_blocks": a.sdpa_chunk_blocks,
             # The layers' graphs hold flex's backward or the kernel's op.
-            "flex_kernels": resolve_flex_kernels(cfg, device),
-            "fused_qk_norm_rope": resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
+            "flex_kernels": a.flex_kernels,
+            "fused_qk_norm_rope": a.fused_qk_norm_rope,
         },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
-        "drafter": spec.to_dict(),
+        "drafter": plan.spec.to_dict(),
     }
 
 
-def resolve_job(cfg: Any) -> tuple[Any, Any, str, str]:
-    """(spec, device, backend, target_path): the drafter side's own resolution, so keys match training."""
+def plan_for_cache(cfg: Any) -> tuple[Any, str]:
+    """(the job plan, the target's directory): the drafter side's own plan (its tokenizer's mask
+    token, its target's config.json), so the keys match training's."""
     from transformers import AutoConfig
 
-    from dflash.resolve import resolve_backend, resolve_device
-    from dflash.session import resolve_target
-    from dflash.spec import resolve_spec
+    from dflash.plan import build_plan
+    from dflash.session import open_target
 
-    device = resolve_device(cfg)
-    backend = resolve_backend(cfg, device)
-    target_path, _, mask_id = resolve_target(cfg)
+    target_path, _, mask_id = open_target(cfg)
     target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
-    return resolve_spec(cfg.drafter, target_config, mask_id), device, backend, target_path
+    plan = build_plan(cfg, target_config=target_config, mask_token_id=mask_id, target_path=target_path)
+    return plan, target_path
 
 
-def cache_fingerprint(cfg: Any, *, device: Any = None, job: tuple[Any, ...] | None = None) -> dict[str, Any]:
-    """job: resolve_job(cfg) when the caller has it already (it loads the tokenizer and configs)."""
-    spec, resolved, backend, target_path = job or resolve_job(cfg)
-    device = device or resolved
+def cache_fingerprint(cfg: Any, *, planned: tuple[Any, str] | None = None) -> dict[str, Any]:
+    """planned: plan_for_cache(cfg) when the caller has it already (it loads the tokenizer and configs)."""
+    plan, target_path = planned or plan_for_cache(cfg)
     return {
         "format": FORMAT,
-        "env": env_fingerprint(device.type),
-        "job": job_fingerprint(cfg, spec, device.type, backend, target_path),
+        "env": env_fingerprint(plan.torch_device.type),
+        "job": job_fingerprint(cfg, plan, target_path),
         "sources": source_hashes(),
     }
 

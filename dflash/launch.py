@@ -35,7 +35,6 @@ from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, STOP_FILE_ENV, worker_devices
 from dflash.pipeline.drafter_entry import SPARE_DIR_ENV, socket_dir
 from dflash.pipeline.timeline import DETECTED_AT_ENV, GENERATION_ENV, LAUNCHED_AT_ENV, SPAWNED_AT_ENV
-from dflash.resolve import resolve_tau_eval
 from dflash.rundir import (
     SUPERVISOR_ENV,
     RunDir,
@@ -901,7 +900,7 @@ def plan_spares(
 def launch(args: argparse.Namespace) -> int:
     from dflash.pipeline.state_copy import remove_copies
     from dflash.pipeline.transport import HiddenStateQueue, name_for_run, segment_bytes
-    from dflash.session import open_run_dir, prepare_data, resolve_drafter_spec, torch_dtype
+    from dflash.session import open_run_dir, plan_job, prepare_data, torch_dtype
 
     if args.json and not args.plan:
         raise DFlashError("--json goes with --plan (the config check is `python -m dflash.check`)")
@@ -927,7 +926,8 @@ def launch(args: argparse.Namespace) -> int:
         from dflash.placement import preflight
 
         preflight(cfg, *devices, parts.target_path)  # placement and memory, before any worker
-        spec = resolve_drafter_spec(cfg, parts)
+        job = plan_job(cfg, parts)  # the job's plan (dflash.plan): the drafter's sizes, tau_eval
+        spec = job.spec
         features = len(spec.target_layer_ids) * spec.target_hidden_size
         elem = torch_dtype(cfg.target.dtype).itemsize
         problem = slot_problem(cfg, features, elem)
@@ -952,7 +952,7 @@ def launch(args: argparse.Namespace) -> int:
             data=parts.dataset.summary(),
             spare_plan=spares,
         )
-        if resolve_tau_eval(cfg, devices[1]):
+        if job.tau_eval:
             prompts = tau_prompts(cfg)
             if prompts is None:
                 run.event(

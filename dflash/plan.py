@@ -106,11 +106,13 @@ def build_plan(
     target_config: Any = None,
     mask_token_id: int | None = None,
     target_path: str | None = None,
+    spec: DrafterSpec | None = None,
 ) -> JobPlan:
     """The plan of `cfg` on this machine. device: the job's (None: run.device resolved, which refuses
     cuda where none is visible); target_config and mask_token_id: the drafter's sizes (without
     them no spec, and the fused q/k kernel is judged without the drafter's head dim); target_path:
-    the target's directory, whose config.json counts the compiled target's layer types. A choice
+    the target's directory, whose config.json counts the compiled target's layer types; spec: the
+    drafter's sizes where the caller resolved them already (a spare drafter, a trainer). A choice
     the machine cannot run raises ConfigError naming its key."""
     from dflash.pipeline import worker_devices
     from dflash.resolve import (
@@ -129,30 +131,68 @@ def build_plan(
     from dflash.spec import resolve_spec
 
     device = device if device is not None else resolve_device(cfg)
-    spec = None
-    if target_config is not None and mask_token_id is not None:
+    if spec is None and target_config is not None and mask_token_id is not None:
         spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
     a = cfg.attention
+    backend, kernels = resolve_backend(cfg, device), resolve_flex_kernels(cfg, device)
+    head_dim = None if spec is None else spec.head_dim
     attention = AttentionPlan(
-        backend=resolve_backend(cfg, device),
+        backend=backend,
         compile=a.compile,
         tuned_kernels=a.tuned_kernels,
-        flex_kernels=resolve_flex_kernels(cfg, device),
-        fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, None if spec is None else spec.head_dim),
+        flex_kernels=kernels,
+        fused_qk_norm_rope=resolve_fused_qk_norm_rope(
+            cfg, device, head_dim, backend=backend, kernels=kernels
+        ),
         sdpa_chunk_blocks=a.sdpa_chunk_blocks,
         strict=resolve_strict(cfg, device),
     )
     targets, drafters = worker_devices(cfg)
+    target_compile = resolve_target_compile(cfg, device)
     return JobPlan(
         device=str(device),
         attention=attention,
         fused_loss=resolve_fused_loss(cfg, device),
         bf16_weights=resolve_bf16_weights(cfg, device),
-        target_compile=resolve_target_compile(cfg, device),
+        target_compile=target_compile,
         drafter_world=drafter_world(cfg),
-        shapes=shape_plan(cfg, target_path=target_path, device=device),
+        shapes=shape_plan(cfg, target_path=target_path, target_compile=target_compile),
         spec=spec,
         target_devices=tuple(targets),
         drafter_devices=tuple(drafters),
         tau_eval=resolve_tau_eval(cfg, drafters),
     )
+
+
+def plan_problems(cfg: JobConfig, *, head_dim: int | None = None) -> tuple[torch.device | None, list[Any]]:
+    """(the job's device or None, every ConfigError of the choices build_plan makes on this machine),
+    each resolver asked on its own so that one refusal does not hide the next (dflash.check)."""
+    from dflash.errors import ConfigError
+    from dflash.resolve import (
+        resolve_backend,
+        resolve_bf16_weights,
+        resolve_device,
+        resolve_flex_kernels,
+        resolve_fused_qk_norm_rope,
+    )
+
+    problems: list[ConfigError] = []
+    try:
+        device = resolve_device(cfg)
+    except ConfigError as e:
+        return None, [e]
+    backend: str | None = None
+    try:
+        backend = resolve_backend(cfg, device)
+    except ConfigError as e:
+        problems.append(e)
+    try:
+        resolve_bf16_weights(cfg, device)
+    except ConfigError as e:
+        problems.append(e)
+    kernels = resolve_flex_kernels(cfg, device)
+    try:
+        resolve_fused_qk_norm_rope(cfg, device, head_dim, backend=backend, kernels=kernels)
+    except ConfigError as e:
+        problems.append(e)
+    return device, problems

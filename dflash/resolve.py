@@ -58,17 +58,18 @@ def resolve_flex_kernels(cfg: JobConfig, device: torch.device) -> str:
     return choice
 
 
-def resolve_fused_qk_norm_rope(cfg: JobConfig, device: torch.device, head_dim: int | None = None) -> bool:
+def resolve_fused_qk_norm_rope(
+    cfg: JobConfig, device: torch.device, head_dim: int | None, *, backend: str | None, kernels: str
+) -> bool:
     """attention.fused_qk_norm_rope: auto is on wherever dflash's attention kernels run (a GPU, the
-    flex backend, flex_kernels resolving to dflash) and the drafter's head dim suits the kernel
-    (head_dim: the drafter's, where the caller knows it); true is refused where they do not run or
-    with a head dim the kernel cannot take."""
+    flex backend, flex_kernels resolving to dflash: backend and kernels as the plan resolved them,
+    backend None where it was refused) and the drafter's head dim suits the kernel (head_dim: the
+    drafter's, where the caller knows it); true is refused where they do not run or with a head
+    dim the kernel cannot take."""
     choice = str(cfg.attention.fused_qk_norm_rope).lower()
     if choice == "false":
         return False
-    kernels = resolve_flex_kernels(cfg, device)
-    # On a GPU first: off it resolve_backend refuses a flex backend, which is _check_devices' to report.
-    runs = device.type == "cuda" and resolve_backend(cfg, device) == "flex" and kernels == "dflash"
+    runs = device.type == "cuda" and backend == "flex" and kernels == "dflash"
     problem = fused_qk_head_dim_problem(head_dim) if head_dim is not None else None
     if choice == "auto":
         return runs and problem is None

@@ -242,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from dflash.session import resolve_data_path, resolve_target
+        from dflash.session import locate_data, open_target
 
         cfg = load_config(args.config, args.overrides)
-        target_path, tok, _ = resolve_target(cfg)
+        target_path, tok, _ = open_target(cfg)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        out = ensure(cfg, resolve_data_path(cfg), target_path, tok, batch=args.batch, device=device,
+        out = ensure(cfg, locate_data(cfg), target_path, tok, batch=args.batch, device=device,
                      log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

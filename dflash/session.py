@@ -127,7 +127,7 @@ def tiny_target_built(cfg: JobConfig) -> bool:
     )
 
 
-def resolve_target_path(cfg: JobConfig) -> str:
+def locate_target(cfg: JobConfig) -> str:
     """`tiny` builds (once) a tiny random Qwen3 under the runs root and returns its directory."""
     if cfg.target.path != "tiny":
         return cfg.target.path
@@ -150,7 +150,7 @@ def _runs_root_error(cfg: JobConfig, what: str, path: Path, e: OSError) -> DFlas
     )
 
 
-def resolve_data_path(cfg: JobConfig) -> str:
+def locate_data(cfg: JobConfig) -> str:
     if cfg.data.path != "demo":
         return cfg.data.path
     from dflash.demo import write_demo_corpus
@@ -172,11 +172,11 @@ class DataParts:
     target_path: str
 
 
-def resolve_target(cfg: JobConfig) -> tuple[str, Any, int]:
+def open_target(cfg: JobConfig) -> tuple[str, Any, int]:
     """(target directory, tokenizer, mask token id): what the drafter side needs, without the data."""
     from dflash.tokenizer import load_tokenizer, require_mask_token
 
-    target_path = resolve_target_path(cfg)
+    target_path = locate_target(cfg)
     tok = load_tokenizer(cfg.data.tokenizer, target_path)
     return target_path, tok, require_mask_token(tok, cfg.drafter.mask_token_id)
 
@@ -184,7 +184,7 @@ def resolve_target(cfg: JobConfig) -> tuple[str, Any, int]:
 def training_data_path(cfg: JobConfig, target_path: str, tok: Any, log: Callable[[str], None]) -> str:
     """The JSONL the job trains on: data.path's, or with data.responses its target's responses to
     data.path's prompts (generated here where not made yet: dflash.responses)."""
-    data_path = resolve_data_path(cfg)
+    data_path = locate_data(cfg)
     if cfg.data.responses:
         from dflash.responses import ensure
 
@@ -199,7 +199,7 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
 
     from dflash.data import load_dataset
 
-    target_path, tok, mask_id = resolve_target(cfg)
+    target_path, tok, mask_id = open_target(cfg)
     cache_root = Path(cfg.data.cache_dir or Path(cfg.run.runs_root) / ".tokcache")
     log_path = run.logs / "data.log"
 
@@ -213,13 +213,20 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
     return DataParts(tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path)
 
 
-def resolve_drafter_spec(cfg: JobConfig, parts: DataParts) -> Any:
-    """The drafter's resolved sizes and target layers, from the target's config alone (no weights)."""
+def plan_job(cfg: JobConfig, parts: DataParts, device: torch.device | None = None) -> Any:
+    """The job plan (dflash.plan) with the drafter's sizes, from the target's config alone (no
+    weights): what a target worker and the launcher run."""
     from transformers import AutoConfig
 
-    from dflash.spec import resolve_spec
+    from dflash.plan import build_plan
 
-    return resolve_spec(cfg.drafter, AutoConfig.from_pretrained(parts.target_path), parts.mask_token_id)
+    return build_plan(
+        cfg,
+        device=device,
+        target_config=AutoConfig.from_pretrained(parts.target_path),
+        mask_token_id=parts.mask_token_id,
+        target_path=parts.target_path,
+    )
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -240,16 +247,13 @@ def alloc_retries(device: torch.device) -> dict[str, int]:
     return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
 
 
-def make_batcher(
-    cfg: JobConfig, dataset: Any, *, rank: int = 0, world_size: int = 1, plan: Any = None
-) -> Any:
-    """plan: the shape plan when the caller has one (the drafter's), else the config's."""
+def make_batcher(cfg: JobConfig, dataset: Any, *, plan: Any, rank: int = 0, world_size: int = 1) -> Any:
+    """plan: the job's shape plan (dflash.plan.JobPlan.shapes): the rows each bucket fills to."""
     from dflash.data import TokenBudgetBatcher
-    from dflash.shapes import shape_plan
 
     return TokenBudgetBatcher(
         dataset,
-        plan=plan or shape_plan(cfg),
+        plan=plan,
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
         rank=rank,
@@ -302,15 +306,15 @@ class DrafterSide:
         worker: str = "drafter-0",
         mark: Callable[[str], None] = lambda phase: None,
         built: Any = None,
+        plan: Any = None,
     ) -> None:
         """mark(phase) is called as each part of the start ends (the `generation_start` event's
         phases: frozen_head_load, model_build). built: what a spare drafter process made ahead
         (dflash.pipeline.spare.Built: the frozen embedding and head and the drafter, on the host or
-        already on `device`), used instead of loading and building them again."""
+        already on `device`), used instead of loading and building them again. plan: the job's plan
+        (dflash.plan) for `device` where the caller built it; None builds it here."""
         from dflash.kernels import KernelGuard
-        from dflash.model import resolve_spec
-        from dflash.resolve import resolve_strict
-        from dflash.shapes import shape_plan
+        from dflash.plan import build_plan
         from dflash.target import load_frozen_head
         from dflash.trainer import DrafterTrainer, StepAhead
 
@@ -320,11 +324,20 @@ class DrafterSide:
                 target_path, dtype=torch_dtype(cfg.target.dtype), device=device
             )
             mark("frozen_head_load")
-            self.spec = resolve_spec(cfg.drafter, target_config, mask_token_id)
+            job = plan or build_plan(
+                cfg,
+                device=device,
+                target_config=target_config,
+                mask_token_id=mask_token_id,
+                target_path=target_path,
+            )
             model = None
         else:
-            embed, head, self.spec, model = built.embed, built.head, built.spec, built.model
-        self.plan = shape_plan(cfg, target_path=target_path, device=device)
+            embed, head, model = built.embed, built.head, built.model
+            job = plan or build_plan(cfg, device=device, spec=built.spec, target_path=target_path)
+        self.job_plan = job
+        self.spec = job.spec
+        self.plan = job.shapes
         self.trainer = DrafterTrainer(
             cfg,
             self.spec,
@@ -333,11 +346,11 @@ class DrafterSide:
             device,
             rank=rank,
             world_size=world_size,
-            plan=self.plan,
+            plan=job,
             model=model,
         )
         mark("model_build")
-        self.guard = KernelGuard(self._on_degraded, strict=resolve_strict(cfg, device))
+        self.guard = KernelGuard(self._on_degraded, strict=job.attention.strict)
         self.guard.__enter__()
         self.compiles = CompileTracker(run, worker)
         self.ahead = StepAhead(self.trainer, drain=self.due_checkpoint)
@@ -440,19 +453,20 @@ class Job:
     """Single-process job: one target and one drafter in turn (dflash.train)."""
 
     def __init__(self, cfg: JobConfig, run: RunDir) -> None:
-        from dflash.resolve import apply_worker_threads, resolve_device
+        from dflash.resolve import apply_worker_threads
         from dflash.target import TargetCapture
 
         self.cfg, self.run = cfg, run
         apply_worker_threads("train")  # the thread count dflash.warm compiled the single-process job under
-        self.device = resolve_device(cfg)
         torch.manual_seed(cfg.run.seed)
         parts = prepare_data(cfg, run)
+        plan = plan_job(cfg, parts)
+        self.device = plan.torch_device
         from dflash.placement import preflight
 
         # One process holds the target and the drafter on one device: the same checks as a pipeline.
         preflight(cfg, [str(self.device)], [str(self.device)], parts.target_path)
-        self.drafter = DrafterSide(cfg, run, parts.target_path, parts.mask_token_id, self.device)
+        self.drafter = DrafterSide(cfg, run, parts.target_path, parts.mask_token_id, self.device, plan=plan)
         self.trainer = self.drafter.trainer
         self.target = TargetCapture(
             parts.target_path,

@@ -236,14 +236,11 @@ def drafter_layer_types(drafter: Any) -> list[str]:
     return list(drafter.layer_types) or ["sliding_attention"] * (drafter.num_layers - 1) + ["full_attention"]
 
 
-def shape_plan(cfg: JobConfig, *, target_path: str | None = None, device: Any = None) -> ShapePlan:
-    """The plan of a config; target_path: the target's directory, whose config.json tells how many
-    layer types its compiled layers have (read only with target.compile); device: the job's, which
-    target.compile = auto resolves on (None: the one run.device names)."""
-    from dflash.resolve import resolve_target_compile
-
+def shape_plan(cfg: JobConfig, *, target_path: str | None = None, target_compile: bool = False) -> ShapePlan:
+    """The plan of a config's shapes; target_compile: whether the target's layers are compiled (the
+    job plan's, dflash.plan, resolved on the job's device); target_path: the target's directory,
+    whose config.json tells how many layer types its compiled layers have (read only then)."""
     d, t = cfg.data, cfg.train
-    target_compile = resolve_target_compile(cfg, device)
     target_layer_types = 1
     if target_compile and target_path:
         types = read_target_config(target_path).get("layer_types")

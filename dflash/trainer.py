@@ -30,14 +30,8 @@ from dflash.objective import (
     trained_count,
 )
 from dflash.optim_kernel import KernelAdamW
-from dflash.resolve import (
-    resolve_backend,
-    resolve_bf16_weights,
-    resolve_flex_kernels,
-    resolve_fused_loss,
-    resolve_fused_qk_norm_rope,
-)
-from dflash.shapes import ShapePlan, apply_recompile_limit, shape_plan
+from dflash.plan import JobPlan, build_plan
+from dflash.shapes import ShapePlan, apply_recompile_limit
 
 
 def pad_rows(
@@ -194,22 +188,23 @@ class QueuedStep:
 
 
 def build_drafter(
-    cfg: JobConfig, spec: DrafterSpec, embed_VH: torch.Tensor, head_VH: torch.Tensor, device: torch.device
+    cfg: JobConfig, spec: DrafterSpec, embed_VH: torch.Tensor, head_VH: torch.Tensor, plan: JobPlan
 ) -> DFlashDrafter:
     """The drafter as it starts training, its parameters made on the host (the same initial values
     wherever it then trains) and its frozen embedding and head where they are given; the trainer
-    moves it to `device`, whose kind decides its kernels."""
+    moves it to the plan's device, for which the plan chose its kernels."""
     torch.manual_seed(cfg.run.seed)  # identical init on every rank
+    a = plan.attention
     return DFlashDrafter(
         spec,
         embed_VH,
         head_VH,
-        backend=resolve_backend(cfg, device),
-        sdpa_chunk_blocks=cfg.attention.sdpa_chunk_blocks,
-        compile=cfg.attention.compile,
-        tuned_kernels=cfg.attention.tuned_kernels,
-        flex_kernels=resolve_flex_kernels(cfg, device),
-        fused_qk_norm_rope=resolve_fused_qk_norm_rope(cfg, device, spec.head_dim),
+        backend=a.backend,
+        sdpa_chunk_blocks=a.sdpa_chunk_blocks,
+        compile=a.compile,
+        tuned_kernels=a.tuned_kernels,
+        flex_kernels=a.flex_kernels,
+        fused_qk_norm_rope=a.fused_qk_norm_rope,
     )
 
 
@@ -225,20 +220,22 @@ class DrafterTrainer:
         rank: int = 0,
         world_size: int = 1,
         on_step_compiled: Callable[[], None] | None = None,
-        plan: ShapePlan | None = None,
+        plan: JobPlan | None = None,
         model: DFlashDrafter | None = None,
     ) -> None:
-        """model: the drafter already built on the host by build_drafter (a spare drafter process,
+        """plan: the job's plan (dflash.plan), for `device`; None builds it here from the config.
+        model: the drafter already built on the host by build_drafter (a spare drafter process,
         dflash.pipeline.spare, builds it before it is needed); None builds it here."""
         self.cfg, self.spec, self.device = cfg, spec, device
         self.rank, self.world_size = rank, world_size
-        self.backend = resolve_backend(cfg, device)
-        self.flex_kernels = resolve_flex_kernels(cfg, device)
-        self.fused_loss = resolve_fused_loss(cfg, device)
-        self.bf16_weights = resolve_bf16_weights(cfg, device)
-        self.plan = plan if plan is not None else shape_plan(cfg, device=device)
+        self.job_plan = job = plan if plan is not None else build_plan(cfg, device=device, spec=spec)
+        self.backend = job.attention.backend
+        self.flex_kernels = job.attention.flex_kernels
+        self.fused_loss = job.fused_loss
+        self.bf16_weights = job.bf16_weights
+        self.plan = job.shapes
         if model is None:
-            model = build_drafter(cfg, spec, embed_VH, head_VH, device)
+            model = build_drafter(cfg, spec, embed_VH, head_VH, job)
         model = model.to(device)
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}

@@ -134,28 +134,28 @@ class _ContextSwitch:
 def warm(cfg: Any, out: Path) -> dict[str, Any]:
     import torch
 
-    from dflash.fingerprint import cache_fingerprint, fingerprint_key, resolve_job
+    from dflash.fingerprint import cache_fingerprint, fingerprint_key, plan_for_cache
     from dflash.kernels import KernelGuard, compile_counters
     from dflash.placement import PeakMeter, device_total, fit_problems, is_oom, oom_error
-    from dflash.resolve import compile_contexts, resolve_strict
+    from dflash.resolve import compile_contexts
     from dflash.session import torch_dtype
-    from dflash.shapes import shape_plan
     from dflash.target import load_frozen_head
     from dflash.trainer import DrafterTrainer, wrap_ddp
 
-    job = resolve_job(cfg)
-    spec, device, _, target_path = job
-    fp = cache_fingerprint(cfg, job=job)
+    planned = plan_for_cache(cfg)
+    job, target_path = planned
+    spec, device = job.spec, job.torch_device
+    fp = cache_fingerprint(cfg, planned=planned)
     key = fingerprint_key(fp)
     _emit("fingerprint", key=key, fingerprint=fp)
-    plan = shape_plan(cfg, target_path=target_path, device=device)
+    plan = job.shapes
     contexts = {"drafter": compile_contexts(cfg, "drafter", device)}
     if plan.target_compile:
         contexts["target"] = compile_contexts(cfg, "target", device)
     plan_contexts = {part: [c.to_dict() for c in cs] for part, cs in contexts.items()}
     _emit("plan", shapes=plan.buckets(), shape_plan=plan.to_dict(), contexts=plan_contexts)
     embed, head, _ = load_frozen_head(target_path, dtype=torch_dtype(cfg.target.dtype), device=device)
-    trainer = DrafterTrainer(cfg, spec, embed, head, device, plan=plan)
+    trainer = DrafterTrainer(cfg, spec, embed, head, device, plan=job)
     total_bytes = device_total(device)
     memory: dict[str, Any] = {
         "device": str(device),
@@ -167,7 +167,7 @@ def warm(cfg: Any, out: Path) -> dict[str, Any]:
     degraded: list[dict[str, str]] = []
     guard = KernelGuard(
         lambda kind, detail: degraded.append({"kind": kind, "detail": detail}),
-        strict=resolve_strict(cfg, device),
+        strict=job.attention.strict,
     )
     start_counters = compile_counters()
     started = time.perf_counter()

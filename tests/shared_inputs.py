@@ -34,11 +34,11 @@ import dataclasses, sys
 from pathlib import Path
 from dflash.config import load_config
 from dflash.data import load_dataset
-from dflash.session import resolve_target, training_data_path
+from dflash.session import open_target, training_data_path
 
 root = Path(sys.argv[1])
 cfg = load_config(sys.argv[2], [f"run.runs_root={root}"])
-target, tok, _ = resolve_target(cfg)
+target, tok, _ = open_target(cfg)
 data = dataclasses.replace(cfg.data, path=training_data_path(cfg, target, tok, lambda _msg: None))
 load_dataset(data, tok, root / ".tokcache", lambda _msg: None)
 """

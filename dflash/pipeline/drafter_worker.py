@@ -222,7 +222,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
     from dflash.pipeline.state_copy import StateCopier, copy_dir
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
-    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb, resolve_target
+    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb, open_target
     from dflash.trainer import Meter, ddp_backend
 
     tl = TIMELINE if spare is None else spare.timeline
@@ -260,7 +260,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
     try:
         # The drafters need the target's head and the mask token, not the data: the targets read that.
         if spare is None:
-            target_path, _, mask_id = resolve_target(cfg)
+            target_path, _, mask_id = open_target(cfg)
             tl.mark("target_config")
         else:
             target_path, mask_id = spare.built.target_path, spare.built.mask_id

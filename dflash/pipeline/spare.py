@@ -73,23 +73,25 @@ class Takeover:
 
 
 def build(cfg: JobConfig, run: RunDir, device: torch.device, mode: str) -> Built:
-    from dflash.model import resolve_spec
-    from dflash.session import DrafterSide, resolve_target, torch_dtype
+    from dflash.plan import build_plan
+    from dflash.session import DrafterSide, open_target, torch_dtype
     from dflash.target import load_frozen_head
     from dflash.trainer import build_drafter
 
-    target_path, _, mask_id = resolve_target(cfg)
+    target_path, _, mask_id = open_target(cfg)
     embed, head, target_config = load_frozen_head(
         target_path, dtype=torch_dtype(cfg.target.dtype), device="cpu"
     )
     if device.type == "cuda":  # page-locked: the move at the takeover runs at the link's speed
         embed = embed.pin_memory()
         head = embed if head.data_ptr() == embed.data_ptr() else head.pin_memory()
-    spec = resolve_spec(cfg.drafter, target_config, mask_id)
-    model = build_drafter(cfg, spec, embed, head, device)
-    built = Built(mode, device, target_path, mask_id, spec, embed, head, model)
+    plan = build_plan(
+        cfg, device=device, target_config=target_config, mask_token_id=mask_id, target_path=target_path
+    )
+    model = build_drafter(cfg, plan.spec, embed, head, plan)
+    built = Built(mode, device, target_path, mask_id, plan.spec, embed, head, model)
     if mode == "graphs":
-        built.side = DrafterSide(cfg, run, target_path, mask_id, device, built=built)
+        built.side = DrafterSide(cfg, run, target_path, mask_id, device, built=built, plan=plan)
         load_graphs(cfg, built.side)
         built.embed = built.head = built.model = None  # on the device, inside the side
     return built

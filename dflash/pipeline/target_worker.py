@@ -100,7 +100,7 @@ def run_target(
 
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
-    from dflash.session import alloc_retries, make_batcher, prepare_data, resolve_drafter_spec, torch_dtype
+    from dflash.session import alloc_retries, make_batcher, plan_job, prepare_data, torch_dtype
     from dflash.target import TargetCapture
 
     tl = TIMELINE
@@ -120,24 +120,23 @@ def run_target(
     first = True
     try:
         parts = prepare_data(cfg, run)
-        batcher = make_batcher(cfg, parts.dataset, rank=index, world_size=data_world)
+        job = plan_job(cfg, parts, device)
+        batcher = make_batcher(cfg, parts.dataset, plan=job.shapes, rank=index, world_size=data_world)
         state_path = data_state_path(run, index)
         if state_path.exists():
             batcher.load_state_dict(json.loads(state_path.read_text()))
         tl.mark("data")
         hb.set("computing", note="loading target")
-        spec = resolve_drafter_spec(cfg, parts)
-        from dflash.shapes import apply_recompile_limit, shape_plan
+        from dflash.shapes import apply_recompile_limit
 
-        plan = shape_plan(cfg, target_path=parts.target_path, device=device)
-        if plan.target_compile:
-            apply_recompile_limit(plan)
+        if job.target_compile:
+            apply_recompile_limit(job.shapes)
         target = TargetCapture(
             parts.target_path,
-            spec.target_layer_ids,
+            job.spec.target_layer_ids,
             dtype=torch_dtype(cfg.target.dtype),
             device=device,
-            compile=plan.target_compile,
+            compile=job.target_compile,
         )
         tl.mark("model_load")
         hs = HiddenStateQueue.attach(queue_name)
@@ -148,7 +147,7 @@ def run_target(
             "worker_ready",
             worker=f"target-{index}",
             device=str(device),
-            layers=spec.target_layer_ids,
+            layers=job.spec.target_layer_ids,
             data=parts.dataset.summary(),
         )
         produced = 0

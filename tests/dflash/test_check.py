@@ -172,14 +172,14 @@ def test_shm_bytes_is_what_the_queue_maps(tmp_path, capsys):
 
     from dflash.model import resolve_spec
     from dflash.pipeline.state_copy import copies_nbytes
-    from dflash.session import resolve_target, torch_dtype
+    from dflash.session import open_target, torch_dtype
 
     sets = [f"run.runs_root={tmp_path}", "pipeline.queue_depth=3", "target.dtype=bfloat16"]
     sets += ["drafter.num_target_layers=4", "data.max_seq_len=700", "data.bucket_multiple=128"]
     rc, report = _check(capsys, DEMO, *_sets(*sets))
     assert rc == 0, report["errors"]
     cfg = load_config(DEMO, sets)
-    target_path, _, mask_id = resolve_target(cfg)
+    target_path, _, mask_id = open_target(cfg)
     spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(target_path), mask_id)
     features = len(spec.target_layer_ids) * spec.target_hidden_size
     queue = HiddenStateQueue.create(

@@ -119,7 +119,14 @@ def test_the_fused_qk_norm_rope_is_auto_on_with_dflash_kernels_and_refused_where
     starts, naming the key and what to do instead; any other value is refused."""
     import torch
 
-    from dflash.resolve import resolve_fused_qk_norm_rope
+    from dflash import resolve
+
+    def resolve_fused_qk_norm_rope(cfg, device, head_dim=None):
+        """As dflash.plan asks it: with the backend and kernels the plan resolved (on the CPU the
+        shipped flex backend is refused by its own check, so no backend)."""
+        backend = resolve.resolve_backend(cfg, device) if device.type == "cuda" else None
+        kernels = resolve.resolve_flex_kernels(cfg, device)
+        return resolve.resolve_fused_qk_norm_rope(cfg, device, head_dim, backend=backend, kernels=kernels)
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     shipped = repo / "configs" / "qwen3-8b.toml"

@@ -19,7 +19,7 @@ from dflash.config import load_config
 from dflash.demo import demo_records
 from dflash.errors import DFlashError
 from dflash.responses import SHARDS, dataset_dir, ensure
-from dflash.session import resolve_target
+from dflash.session import open_target
 from dflash.specdec import Target, greedy
 from dflash.tokenizer import record_prompt
 
@@ -34,7 +34,7 @@ def setup(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     sets = [f"run.runs_root={root}", f"data.path={data}", "data.response_max_new=6"]
     cfg = load_config(str(REPO / "configs" / "demo-cpu.toml"), sets)
-    target, tok, _ = resolve_target(cfg)
+    target, tok, _ = open_target(cfg)
     return cfg, data, target, tok, sets
 
 

@@ -63,14 +63,17 @@ def test_graphs_follow_layer_types_and_target_compile() -> None:
     assert one_type.drafter_graphs == 2  # the first layer's input needs no grad, the second's does
     single = shape_plan(_cfg(demo, "drafter.num_layers=1", 'drafter.layer_types=["full_attention"]'))
     assert single.drafter_graphs == 1
-    with_target = shape_plan(_cfg(demo, "target.compile=true"))
+    with_target = shape_plan(_cfg(demo), target_compile=True)  # as the plan gives it (target.compile=true)
     assert with_target.target_graphs == 2 and with_target.recompile_limit == 2  # unpadded + padded
 
 
 def test_target_compile_auto_is_on_where_it_wins(tmp_path: Path) -> None:
     """auto compiles the target on a GPU with compile on (its graphs in the plan, the recompile limit
     and the fingerprint), not on the CPU; true and false are what they say; anything else is refused."""
+    import dataclasses
+
     from dflash.fingerprint import target_fingerprint
+    from dflash.plan import build_plan
     from dflash.resolve import resolve_target_compile
 
     eight_b = REPO / "configs" / "qwen3-8b.toml"
@@ -78,19 +81,27 @@ def test_target_compile_auto_is_on_where_it_wins(tmp_path: Path) -> None:
     assert cfg.target.compile == "auto"
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_target_compile(cfg, cuda) and not resolve_target_compile(cfg, cpu)
-    on_gpu, on_cpu = shape_plan(cfg, device=cuda), shape_plan(cfg, device=cpu)
+    sdpa = "attention.backend=sdpa"  # planned for the CPU too (flex has no backward there)
+
+    def planned(device, *sets):
+        return build_plan(_cfg(eight_b, sdpa, *sets), device=device)
+
+    on_gpu, on_cpu = planned(cuda).shapes, planned(cpu).shapes
     assert on_cpu.target_graphs == 0 and on_gpu.target_graphs == 2 * len(on_gpu.buckets())
     assert on_gpu.recompile_limit >= on_gpu.target_graphs // len(on_gpu.buckets())
-    assert shape_plan(_cfg(eight_b, "attention.compile=false"), device=cuda).target_graphs == 0
-    assert shape_plan(_cfg(eight_b, "target.compile=true"), device=cpu).target_graphs > 0
-    assert shape_plan(_cfg(eight_b, "target.compile=false"), device=cuda).target_graphs == 0
+    assert planned(cuda, "attention.compile=false").shapes.target_graphs == 0
+    assert planned(cpu, "target.compile=true").shapes.target_graphs > 0
+    assert planned(cuda, "target.compile=false").shapes.target_graphs == 0
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 4}')
 
     class Spec:
         target_layer_ids = (1, 2)
 
-    assert target_fingerprint(cfg, Spec, str(tmp_path), cpu) == {"compile": False}
-    fp = target_fingerprint(cfg, Spec, str(tmp_path), cuda)
+    def with_spec(plan):
+        return dataclasses.replace(plan, spec=Spec)
+
+    assert target_fingerprint(cfg, with_spec(planned(cpu)), str(tmp_path)) == {"compile": False}
+    fp = target_fingerprint(cfg, with_spec(planned(cuda)), str(tmp_path))
     assert fp["compile"] is True and fp["layers_kept"] == 3
     with pytest.raises(ConfigError, match=r"target\.compile.*true, false or auto"):
         _cfg(eight_b, "target.compile=maybe")
