@@ -22,7 +22,7 @@ from typing import Any
 
 from dflash.exiting import without_final_gc
 
-FORMAT = 1
+FORMAT = 2  # 2: the job part is the plan's compile-relevant part (dflash.plan)
 PACKAGE = Path(__file__).resolve().parent
 COMPILED_SOURCES = [
     "model.py",
@@ -100,26 +100,16 @@ def target_fingerprint(cfg: Any, plan: Any, target_path: str) -> dict[str, Any]:
 
 
 def job_fingerprint(cfg: Any, plan: Any, target_path: str) -> dict[str, Any]:
-    """The compiled code's inputs from the job plan (dflash.plan): its shapes, kernels, precision."""
-    a = plan.attention
+    """The compiled code's inputs: the job plan's compile-relevant part (dflash.plan.compile_part:
+    each field marked where it is declared), the target's architecture where it is compiled, and
+    how the compile is invoked."""
+    from dflash.plan import compile_part
+
     return {
+        "plan": compile_part(plan),
         "target": target_fingerprint(cfg, plan, target_path),
-        "shape_plan": plan.shapes.to_dict(),
-        "num_anchors": cfg.train.num_anchors,
-        "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
-        "target_dtype": cfg.target.dtype,
         "autocast": "bfloat16" if plan.torch_device.type == "cuda" else None,
-        "linear_weights": "bfloat16" if plan.bf16_weights else "float32",  # the layers' graphs take them
-        "attention": {
-            "backend": a.backend,
-            "compile": a.compile,
-            "sdpa_chunk_blocks": a.sdpa_chunk_blocks,
-            # The layers' graphs hold flex's backward or the kernel's op.
-            "flex_kernels": a.flex_kernels,
-            "fused_qk_norm_rope": a.fused_qk_norm_rope,
-        },
         "compile": {"mode": "default", "dynamic": False, "scope": "per-layer + flex kernels"},
-        "drafter": plan.spec.to_dict(),
     }
 
 

@@ -16,7 +16,8 @@ mask token (the tokenizer's, or drafter.mask_token_id); without them the plan ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -26,19 +27,57 @@ from dflash.shapes import ShapePlan
 from dflash.spec import DrafterSpec
 
 
+def compiled(how: bool | Callable[[Any], Any] = True) -> Any:
+    """A plan field's mark: whether (True), or in which form (a function of the value), it decides
+    what inductor compiles, so the compile cache's key holds it (compile_part, dflash.fingerprint).
+    Every field carries one: a field that decides compiled code cannot be left out by forgetting."""
+    return field(metadata={"compiled": how})
+
+
+def not_compiled() -> Any:
+    """A plan field's mark: it changes no compiled code (where workers run, what the job measures)."""
+    return field(metadata={"compiled": False})
+
+
+def compile_part(plan: Any) -> dict[str, Any]:
+    """The compile-relevant part of a plan (or of a plan inside it), as plain data: every field
+    marked compiled, in the form its mark gives."""
+    out: dict[str, Any] = {}
+    for f in fields(plan):
+        how = f.metadata["compiled"]
+        if how is False:
+            continue
+        value = getattr(plan, f.name)
+        if how is not True:
+            value = how(value)
+        elif is_dataclass(value) and "compiled" in next(iter(fields(value))).metadata:
+            value = compile_part(value)
+        elif hasattr(value, "to_dict"):
+            value = value.to_dict()
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _device_type(device: str) -> str:
+    return torch.device(device).type  # cuda:0 and cuda:1 compile alike
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """The drafter's attention as the job runs it."""
 
-    backend: str
+    backend: str = compiled()
     """flex or sdpa (attention.backend resolved on the device)."""
-    compile: bool
-    tuned_kernels: bool
-    flex_kernels: str
-    """flex or dflash: whose kernels the flex backend runs."""
-    fused_qk_norm_rope: bool
-    sdpa_chunk_blocks: int
-    strict: bool
+    compile: bool = compiled()
+    tuned_kernels: bool = compiled()
+    """flex's kernel options (tiles, stages, warps) are in its generated kernels."""
+    flex_kernels: str = compiled()
+    """flex or dflash: whose kernels the flex backend runs (the layers' graphs hold one or the other)."""
+    fused_qk_norm_rope: bool = compiled()
+    sdpa_chunk_blocks: int = compiled()
+    strict: bool = not_compiled()
     """A degraded kernel stops the worker (attention.strict_kernels resolved)."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,23 +94,29 @@ class AttentionPlan:
 
 @dataclass(frozen=True, slots=True)
 class JobPlan:
-    device: str
+    device: str = compiled(_device_type)
     """The job's device ("cuda", "cpu", "cuda:1"): the single-process job's, warm-cache's, and the
     device type every worker's choices below were resolved for."""
-    attention: AttentionPlan
-    fused_loss: bool
-    bf16_weights: bool
-    """The drafter's linear layers hold bf16 weights (train.bf16_weights resolved)."""
-    target_compile: bool
-    drafter_world: int
-    """Ranks of the drafter group over all hosts (above 1: DDP)."""
-    shapes: ShapePlan
-    spec: DrafterSpec | None
+    attention: AttentionPlan = compiled()
+    fused_loss: bool = compiled()
+    """The loss chunk compiled (its graph or the loss kernel) or eager."""
+    bf16_weights: bool = compiled()
+    """The drafter's linear layers hold bf16 weights (train.bf16_weights resolved): the layers'
+    graphs take them."""
+    target_compile: bool = compiled()
+    drafter_world: int = compiled(lambda world: world > 1)
+    """Ranks of the drafter group over all hosts (above 1: DDP, whose optimizer splits the graphs)."""
+    shapes: ShapePlan = compiled()
+    spec: DrafterSpec | None = compiled()
     """The drafter's resolved sizes; None where the plan was built without the target's config."""
-    target_devices: tuple[str, ...]
-    drafter_devices: tuple[str, ...]
+    target_dtype: str = compiled()
+    """The target's weights and hidden states (the drafter's input)."""
+    loss_chunk_tokens: int = compiled()
+    num_anchors: int = compiled()
+    target_devices: tuple[str, ...] = not_compiled()
+    drafter_devices: tuple[str, ...] = not_compiled()
     """Devices of this host's target workers and local drafter ranks (the pipeline's placement)."""
-    tau_eval: bool
+    tau_eval: bool = not_compiled()
     """The pipeline measures tau after each checkpoint (train.tau_eval resolved)."""
 
     @property
@@ -94,6 +139,9 @@ class JobPlan:
             "shape_plan": self.shapes.to_dict(),
             "recompile_limit": self.recompile_limit,
             "spec": None if self.spec is None else self.spec.to_dict(),
+            "target_dtype": self.target_dtype,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "num_anchors": self.num_anchors,
             "placement": {"targets": list(self.target_devices), "drafters": list(self.drafter_devices)},
             "tau_eval": self.tau_eval,
         }
@@ -158,6 +206,9 @@ def build_plan(
         drafter_world=drafter_world(cfg),
         shapes=shape_plan(cfg, target_path=target_path, target_compile=target_compile),
         spec=spec,
+        target_dtype=cfg.target.dtype,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        num_anchors=cfg.train.num_anchors,
         target_devices=tuple(targets),
         drafter_devices=tuple(drafters),
         tau_eval=resolve_tau_eval(cfg, drafters),

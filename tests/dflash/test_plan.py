@@ -59,6 +59,9 @@ def test_the_demo_plans_the_cpu_path_whole(tmp_path):
             layer_types=["sliding_attention", "full_attention"],
         ),
         spec=resolve_spec(cfg.drafter, target, 7),
+        target_dtype="float32",
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        num_anchors=cfg.train.num_anchors,
         target_devices=("cpu",),
         drafter_devices=("cpu",),
         tau_eval=True,  # the drafters train on the CPU
@@ -100,6 +103,9 @@ def test_the_8b_config_plans_the_gpu_path_whole(tmp_path):
             target_compile=True,
         ),
         spec=resolve_spec(cfg.drafter, target, 151669),
+        target_dtype="bfloat16",
+        loss_chunk_tokens=8192,
+        num_anchors=512,
         target_devices=("cuda:0",),
         drafter_devices=("cuda:0",),
         tau_eval=False,  # auto: a GPU job would need a second target for it
@@ -149,3 +155,69 @@ def test_check_prints_the_plan_the_job_builds(tmp_path, capsys):
     assert report["plan"] == want
     rc = check.main([str(DEMO), "--set", runs, "--set", "train.lr=-1", "--json"])
     assert rc == 2 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plan"] is None
+
+
+def _other(value):
+    """A different value of the same kind, for a field of the plan."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2
+    if isinstance(value, str):
+        return {"cuda": "cpu", "cpu": "cuda", "flex": "sdpa", "sdpa": "flex", "dflash": "flex"}.get(
+            value, value + "x"
+        )
+    if isinstance(value, tuple):
+        return (*value, "cuda:7")
+    if dataclasses.is_dataclass(value) and hasattr(value, "shapes"):  # the shape plan
+        return dataclasses.replace(value, token_budget=value.token_budget + 1)
+    if dataclasses.is_dataclass(value) and hasattr(value, "hidden_size"):  # the drafter's spec
+        return dataclasses.replace(value, intermediate_size=value.intermediate_size * 2)
+    raise AssertionError(f"no other value for {value!r}")
+
+
+def test_the_cache_key_is_the_plans_compiled_part_field_by_field(tmp_path):
+    """Every plan field is marked where it is declared; changing a field marked compiled changes the
+    compile cache's key, changing any other field leaves it (the key is dflash.fingerprint's)."""
+    from dflash.fingerprint import fingerprint_key, job_fingerprint
+    from dflash.plan import compile_part
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    cfg = load_config(Q8B, [f"run.runs_root={tmp_path}"])
+    plan = build_plan(
+        cfg, device=torch.device("cuda"), target_config=Qwen3Config(**QWEN3_8B), mask_token_id=151669
+    )
+
+    def key(p):
+        return fingerprint_key(job_fingerprint(cfg, p, str(tmp_path)))
+
+    base = key(plan)
+    seen = []
+    for owner, replace in (
+        (plan, lambda **kw: dataclasses.replace(plan, **kw)),
+        (
+            plan.attention,
+            lambda **kw: dataclasses.replace(plan, attention=dataclasses.replace(plan.attention, **kw)),
+        ),
+    ):
+        for f in dataclasses.fields(owner):
+            assert "compiled" in f.metadata, f"{type(owner).__name__}.{f.name} has no compiled mark"
+            if f.name == "attention":
+                continue  # its own fields, below
+            changed = replace(**{f.name: _other(getattr(owner, f.name))})
+            moved = key(changed) != base
+            assert moved == (f.metadata["compiled"] is not False), f"{type(owner).__name__}.{f.name}"
+            seen.append((f.name, moved))
+    assert (
+        ("tuned_kernels", True) in seen and ("strict", False) in seen and ("drafter_devices", False) in seen
+    )
+    # The form a mark gives: cuda:0 and cuda:1 compile alike; one rank or a group of 2 or 4 differ once.
+    assert key(dataclasses.replace(plan, device="cuda:1")) == base
+    assert (
+        key(dataclasses.replace(plan, drafter_world=2))
+        == key(dataclasses.replace(plan, drafter_world=4))
+        != base
+    )
+    assert compile_part(plan)["attention"] == {
+        k: v for k, v in plan.attention.to_dict().items() if k != "strict"
+    }

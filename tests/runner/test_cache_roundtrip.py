@@ -122,7 +122,7 @@ def test_warm_restore_new_process_hits(tmp_path: Path, record_property: pytest.R
         "--set",
         "train.max_batch_size=4",
     )
-    assert other.returncode == 1 and "job.shape_plan" in other.stderr, other.stderr
+    assert other.returncode == 1 and "job.plan.shapes" in other.stderr, other.stderr
     assert not (tmp_path / "other").exists()
 
 
