@@ -17,7 +17,7 @@ mask token (the tokenizer's, or drafter.mask_token_id); without them the plan ha
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def compile_part(plan: Any) -> dict[str, Any]:
         value = getattr(plan, f.name)
         if how is not True:
             value = how(value)
-        elif is_dataclass(value) and "compiled" in next(iter(fields(value))).metadata:
+        elif isinstance(value, AttentionPlan):  # a plan inside the plan: its own marks
             value = compile_part(value)
         elif hasattr(value, "to_dict"):
             value = value.to_dict()
@@ -81,15 +81,7 @@ class AttentionPlan:
     """A degraded kernel stops the worker (attention.strict_kernels resolved)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "compile": self.compile,
-            "tuned_kernels": self.tuned_kernels,
-            "flex_kernels": self.flex_kernels,
-            "fused_qk_norm_rope": self.fused_qk_norm_rope,
-            "sdpa_chunk_blocks": self.sdpa_chunk_blocks,
-            "strict": self.strict,
-        }
+        return asdict(self)  # plain values only: every field as it is
 
 
 @dataclass(frozen=True, slots=True)
