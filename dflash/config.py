@@ -504,6 +504,17 @@ def config_problems(cfg: JobConfig) -> list[ConfigError]:
     return [problem for problem, _keys in _cross_field_rules(cfg)]
 
 
+# The shape arithmetic the cross-field rules need; dflash.shapes builds the shape plan on it.
+def round_up(n: Any, multiple: int) -> Any:
+    """n (an int or an integer array) rounded up to a multiple: the bucket length of a sequence."""
+    return -(-n // multiple) * multiple
+
+
+def anchors_for(length: int, num_anchors: int) -> int:
+    """Anchors per row of a bucket: an anchor needs a next token, so a row holds at most length - 1."""
+    return max(1, min(num_anchors, length - 1))
+
+
 def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...]]]:
     """(problem, the keys it involves) of every rule between fields that cfg breaks."""
     d, t = cfg.data, cfg.train
@@ -515,8 +526,6 @@ def _cross_field_rules(cfg: JobConfig) -> list[tuple[ConfigError, tuple[str, ...
             "enough to keep would be truncated below it; lower data.min_seq_len",
         )
         problems.append((problem, ("data.min_seq_len", "data.max_seq_len")))
-    from dflash.shapes import anchors_for, round_up  # (dflash.shapes reads configs: imported here)
-
     longest = round_up(d.max_seq_len, d.bucket_multiple)
     if t.token_budget < longest:
         problem = ConfigError(

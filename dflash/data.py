@@ -20,16 +20,18 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dflash.config import DataConfig
 from dflash.errors import DFlashError
 from dflash.rundir import atomic_write_bytes, unusable_reason
 from dflash.shapes import ShapePlan, round_up
 from dflash.tokenizer import RecordError, Tokenizer, lone_surrogate
+
+if TYPE_CHECKING:
+    from dflash.config import DataConfig
 
 CACHE_FORMAT = "tokcache-v1"
 _LOGGED_PER_REASON = 20  # individual file:line messages per reason; the rest only counted

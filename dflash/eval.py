@@ -89,7 +89,7 @@ def open_source(path: Path, target: str | None) -> Source:
         )
     if target is not None:
         return Source(drafter_dir, kind, target, "target", cfg)
-    from dflash.session import locate_target
+    from dflash.inputs import locate_target
 
     return Source(drafter_dir, kind, locate_target(cfg), cfg.data.tokenizer, cfg)
 

@@ -118,8 +118,8 @@ def plan_for_cache(cfg: Any) -> tuple[Any, str]:
     token, its target's config.json), so the keys match training's."""
     from transformers import AutoConfig
 
+    from dflash.inputs import open_target
     from dflash.plan import build_plan
-    from dflash.session import open_target
 
     target_path, _, mask_id = open_target(cfg)
     target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             from dflash.errors import DFlashError
 
             try:
-                from dflash.session import tiny_target_built
+                from dflash.inputs import tiny_target_built
 
                 cfg = load_config(args.config, args.sets)
                 if args.read_only and cfg.target.path == "tiny" and not tiny_target_built(cfg):

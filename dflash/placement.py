@@ -18,10 +18,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dflash.config import JobConfig
 from dflash.errors import ConfigError, DFlashError
+
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
 
 GIB = 2**30
 

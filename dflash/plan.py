@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.config import JobConfig
-from dflash.shapes import ShapePlan
-from dflash.spec import DrafterSpec
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
+    from dflash.shapes import ShapePlan
+    from dflash.spec import DrafterSpec
 
 
 def compiled(how: bool | Callable[[Any], Any] = True) -> Any:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.config import JobConfig
 from dflash.errors import ConfigError
 from dflash.triton_jit import kernel_device
+
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
 
 
 def named_device_type(cfg: JobConfig) -> str:

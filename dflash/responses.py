@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from dflash.session import locate_data, open_target
+        from dflash.inputs import locate_data, open_target
 
         cfg = load_config(args.config, args.overrides)
         target_path, tok, _ = open_target(cfg)

@@ -13,13 +13,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.config import JobConfig
 from dflash.errors import DFlashError
+from dflash.inputs import locate_data, open_target
 from dflash.rundir import RUN_FORMAT, RunDir, format_status_line, unusable_reason
+
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,74 +114,12 @@ def _restored_key() -> str | None:
     return artifact.get("key") if artifact else None
 
 
-def tiny_target_dir(cfg: JobConfig) -> Path:
-    """Where `target.path = "tiny"` lives: under the runs root, named by all its weights depend on
-    (jobs with other seeds never swap it out)."""
-    name = f".tiny-target-l{cfg.target.tiny_layers}-h{cfg.target.tiny_hidden}-s{cfg.run.seed}"
-    return Path(cfg.run.runs_root) / name
-
-
-def tiny_target_built(cfg: JobConfig) -> bool:
-    """`tiny` and already built under the runs root (read only)."""
-    from dflash.demo import tiny_target_ready
-
-    return cfg.target.path == "tiny" and tiny_target_ready(
-        tiny_target_dir(cfg), layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
-    )
-
-
-def locate_target(cfg: JobConfig) -> str:
-    """`tiny` builds (once) a tiny random Qwen3 under the runs root and returns its directory."""
-    if cfg.target.path != "tiny":
-        return cfg.target.path
-    from dflash.demo import make_tiny_target
-
-    path = tiny_target_dir(cfg)
-    try:
-        made = make_tiny_target(
-            path, layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
-        )
-    except OSError as e:
-        raise _runs_root_error(cfg, "build the tiny target", path, e) from None
-    return str(made)
-
-
-def _runs_root_error(cfg: JobConfig, what: str, path: Path, e: OSError) -> DFlashError:
-    return DFlashError(
-        f"run.runs_root {cfg.run.runs_root}: cannot {what} there: {unusable_reason(path, e)}; "
-        "set run.runs_root to a directory this user can write"
-    )
-
-
-def locate_data(cfg: JobConfig) -> str:
-    if cfg.data.path != "demo":
-        return cfg.data.path
-    from dflash.demo import write_demo_corpus
-
-    path = Path(cfg.run.runs_root) / ".demo" / "corpus.jsonl"
-    if not path.exists():
-        try:
-            write_demo_corpus(path)
-        except OSError as e:
-            raise _runs_root_error(cfg, "write the demo corpus", path.parent, e) from None
-    return str(path)
-
-
 @dataclass
 class DataParts:
     tokenizer: Any
     mask_token_id: int
     dataset: Any
     target_path: str
-
-
-def open_target(cfg: JobConfig) -> tuple[str, Any, int]:
-    """(target directory, tokenizer, mask token id): what the drafter side needs, without the data."""
-    from dflash.tokenizer import load_tokenizer, require_mask_token
-
-    target_path = locate_target(cfg)
-    tok = load_tokenizer(cfg.data.tokenizer, target_path)
-    return target_path, tok, require_mask_token(tok, cfg.drafter.mask_token_id)
 
 
 def training_data_path(cfg: JobConfig, target_path: str, tok: Any, log: Callable[[str], None]) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.config import JobConfig
+from dflash.config import JobConfig, anchors_for, round_up
 from dflash.errors import DFlashError
 
 OUTER_NORM_GRAPHS = 2
@@ -162,19 +162,9 @@ class ShapePlan:
         }
 
 
-def round_up(n: Any, multiple: int) -> Any:
-    """n (an int or an integer array) rounded up to a multiple: the bucket length of a sequence."""
-    return -(-n // multiple) * multiple
-
-
 def bucket_lengths(min_seq_len: int, max_seq_len: int, bucket_multiple: int) -> list[int]:
     m = bucket_multiple
     return list(range(max(m, round_up(min_seq_len, m)), round_up(max_seq_len, m) + 1, m))
-
-
-def anchors_for(length: int, num_anchors: int) -> int:
-    """Anchors per row of a bucket: an anchor needs a next token, so a row holds at most length - 1."""
-    return max(1, min(num_anchors, length - 1))
 
 
 def _seq_rows(length: int, token_budget: int, max_batch_size: int) -> int:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from dflash.model import DFlashDrafter
+if TYPE_CHECKING:
+    from dflash.model import DFlashDrafter
 
 
 class Target:

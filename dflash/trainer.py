@@ -11,13 +11,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
-from dflash.config import JobConfig
 from dflash.errors import DFlashError
 from dflash.model import DFlashDrafter, DrafterSpec
 from dflash.objective import (
@@ -32,6 +31,9 @@ from dflash.objective import (
 from dflash.optim_kernel import KernelAdamW
 from dflash.plan import JobPlan, build_plan
 from dflash.shapes import ShapePlan, apply_recompile_limit
+
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
 
 
 def pad_rows(

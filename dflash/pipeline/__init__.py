@@ -3,8 +3,12 @@ through the hidden-state transport in `dflash.pipeline.transport` (one shared-me
 
 from __future__ import annotations
 
-from dflash.config import JobConfig
+from typing import TYPE_CHECKING
+
 from dflash.errors import DFlashError
+
+if TYPE_CHECKING:
+    from dflash.config import JobConfig
 
 DATA_SUMMARY_ENV = "DFLASH_DATA_SUMMARY"
 """Set by the launcher for the drafter group: the data counts (TokenizedDataset.summary, JSON) of the

@@ -218,11 +218,12 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
     rank over (dflash.pipeline.spare): its imports, CUDA context and built drafter are used, its
     timeline starts at the torchrun worker it serves."""
     from dflash.compile_cache import cache_dir_from_env
+    from dflash.inputs import open_target
     from dflash.kernels import compile_counters
     from dflash.pipeline.state_copy import StateCopier, copy_dir
     from dflash.pipeline.transport import HiddenStateQueue
     from dflash.resolve import apply_worker_threads
-    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb, open_target
+    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb
     from dflash.trainer import Meter, ddp_backend
 
     tl = TIMELINE if spare is None else spare.timeline

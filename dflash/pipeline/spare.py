@@ -73,8 +73,9 @@ class Takeover:
 
 
 def build(cfg: JobConfig, run: RunDir, device: torch.device, mode: str) -> Built:
+    from dflash.inputs import open_target
     from dflash.plan import build_plan
-    from dflash.session import DrafterSide, open_target, torch_dtype
+    from dflash.session import DrafterSide, torch_dtype
     from dflash.target import load_frozen_head
     from dflash.trainer import build_drafter
 

@@ -170,9 +170,10 @@ def test_shm_bytes_is_what_the_queue_maps(tmp_path, capsys):
     """Against the job's own resolution: the tiny target built and read as the launcher reads it."""
     from transformers import AutoConfig
 
+    from dflash.inputs import open_target
     from dflash.model import resolve_spec
     from dflash.pipeline.state_copy import copies_nbytes
-    from dflash.session import open_target, torch_dtype
+    from dflash.session import torch_dtype
 
     sets = [f"run.runs_root={tmp_path}", "pipeline.queue_depth=3", "target.dtype=bfloat16"]
     sets += ["drafter.num_target_layers=4", "data.max_seq_len=700", "data.bucket_multiple=128"]

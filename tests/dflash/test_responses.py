@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 from dflash.config import load_config
 from dflash.demo import demo_records
 from dflash.errors import DFlashError
+from dflash.inputs import open_target
 from dflash.responses import SHARDS, dataset_dir, ensure
-from dflash.session import open_target
 from dflash.specdec import Target, greedy
 from dflash.tokenizer import record_prompt
 
