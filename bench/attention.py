@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import bench_ms, default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
 
-from dflash.attention import make_backend  # noqa: E402
-from dflash.attention.mask import allowed_pairs, dense_mask  # noqa: E402
+from dflash.step.attention.mask import allowed_pairs, dense_mask  # noqa: E402
+from dflash.step.model import make_backend  # noqa: E402
 
 FWD_BWD_FACTOR = 3.5
 

@@ -1,4 +1,4 @@
-"""The DFlash attention's kernels: flex's own against dflash.attention.triton_attention's, on the
+"""The DFlash attention's kernels: flex's own against dflash.step.attention.triton_attention's, on the
 drafter step's shape, through the job's FlexBackend, then dflash's forward and backward alone for
 each tile candidate.
 
@@ -83,7 +83,7 @@ def main() -> None:
         default="",
         help="merge each layer kind's fastest tiles (longest first) into this table as kernel_fwd_* and "
         "kernel_bwd_* options "
-        "(dflash/attention/flex_tuned.json is the job's)",
+        "(dflash/step/attention/flex_tuned.json is the job's)",
     )
     ap.add_argument(
         "--layout",
@@ -111,9 +111,9 @@ def main() -> None:
 
     import torch
 
-    from dflash.attention.flex import FlexBackend, layer_kind
-    from dflash.attention.mask import allowed_pairs
-    from dflash.attention.triton_attention import (
+    from dflash.step.attention.flex import FlexBackend, layer_kind
+    from dflash.step.attention.mask import allowed_pairs
+    from dflash.step.attention.triton_attention import (
         FwdTiles,
         Tiles,
         attention_backward,
@@ -254,7 +254,7 @@ def time_candidates(
     others in their own ORDER. Entries: tiles (with the order timed), order, {key}_ms and
     {key}_tflops, check(its result) as rel_err when given, or the error of a tile that does not fit
     (shared memory, registers)."""
-    from dflash.attention.triton_attention import ORDERS
+    from dflash.step.attention.triton_attention import ORDERS
 
     entries = []
     for c in candidates:
@@ -295,12 +295,12 @@ def matches(candidate: dict[str, Any]) -> bool:
 
 def write_table(path: Path, report: dict[str, Any], head_dim: int) -> None:
     """Each layer kind's fastest candidates (tiles and order) as kernel_fwd_* and kernel_bwd_*
-    options of that kind's entry in dflash.attention.flex's table (its flex options and other
+    options of that kind's entry in dflash.step.attention.flex's table (its flex options and other
     entries kept)."""
     import json
 
-    from dflash.attention.flex import KERNEL_PREFIX, layer_kind
     from dflash.rundir import atomic_write_json
+    from dflash.step.attention.flex import KERNEL_PREFIX, layer_kind
 
     try:
         table = json.loads(path.read_text())

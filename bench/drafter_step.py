@@ -1,7 +1,7 @@
 """The drafter's training step as the job runs it (`DrafterTrainer` steps through `StepAhead`, one
 step queued ahead of the one read back, as the job's loops run them): tokens/s and MFU.
 
-The trainer is built exactly as a drafter worker builds it (dflash.trainer.DrafterTrainer: regional
+The trainer is built exactly as a drafter worker builds it (dflash.step.trainer.DrafterTrainer: regional
 compile of every decoder layer, the fused loss where train.fused_loss resolves true, clipping, fused
 AdamW, bf16 autocast, the shape plan), from configs/qwen3-8b.toml with the bench's batch shape set
 on it, and a target config of Qwen3-8B's sizes (random frozen embedding and head, random target
@@ -80,7 +80,7 @@ TINY_DRAFTER = [
 def step_flops(spec: Any, B: int, S: int, anchors_BA: Any, seq_lens_B: Any, trained: int) -> dict[str, float]:
     """The step's model FLOPs (the module docstring's count); `trained` is T, its trained block
     positions."""
-    from dflash.attention.mask import allowed_pairs
+    from dflash.step.attention.mask import allowed_pairs
 
     H, D, Hq, G, Fi, V = (
         spec.hidden_size,
@@ -182,9 +182,9 @@ def build_trainer(args: argparse.Namespace, backend: str) -> tuple[Any, Any, dic
     from transformers import Qwen3Config
 
     from dflash.config import load_config
-    from dflash.model import resolve_spec
-    from dflash.session import torch_dtype
-    from dflash.trainer import DrafterTrainer
+    from dflash.plan.resolve import torch_dtype
+    from dflash.step.model import resolve_spec
+    from dflash.step.trainer import DrafterTrainer
 
     B, S, A = args.batch, args.seq_len, args.anchors
     sets = [
@@ -244,8 +244,8 @@ def timed_steps(steps: Any, n: int, cuda: bool) -> tuple[float, list[Any]]:
 def bench_backend(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     import torch
 
-    from dflash.objective import block_labels, sample_anchors
-    from dflash.trainer import StepAhead
+    from dflash.step.objective import block_labels, sample_anchors
+    from dflash.step.trainer import StepAhead
 
     trainer, cfg, batch = build_trainer(args, backend)
     cuda = trainer.device.type == "cuda"

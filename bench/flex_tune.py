@@ -12,7 +12,7 @@ flex compiles take seconds each, so every candidate is first compiled in a proce
 parallel (--jobs), into one inductor cache under --work; then this process times them one after the
 other from that cache (nothing else on the GPU). The best forward and the best backward options
 per layer kind are then compiled together and timed again: that pair is what goes into
-dflash.attention.flex.TUNED_KERNEL_OPTIONS. Effective TFLOP/s counts unmasked pairs only (as
+dflash.step.attention.flex.TUNED_KERNEL_OPTIONS. Effective TFLOP/s counts unmasked pairs only (as
 bench/attention.py: 4*D per pair forward, 3.5x that for forward + backward).
 
 USE_TMA candidates are timed but do not win unless --allow-tma. A TMA kernel takes tensor
@@ -122,9 +122,9 @@ def candidates() -> list[dict[str, Any] | None]:
 
 
 def write_table(path: Path, best: dict[str, Any], args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """The winners as dflash.attention.flex's table (entries of other GPUs and head dims kept)."""
-    from dflash.attention.flex import layer_kind
+    """The winners as dflash.step.attention.flex's table (entries of other GPUs and head dims kept)."""
     from dflash.rundir import atomic_write_json
+    from dflash.step.attention.flex import layer_kind
 
     try:
         table = json.loads(path.read_text())
@@ -175,7 +175,7 @@ def make_inputs(args: argparse.Namespace, layout: str = "heads") -> dict[str, An
     """Random q, k, v, dO and the trainer's anchors at the bench's sizes; q, k and dO in `layout`."""
     import torch
 
-    from dflash.objective import sample_anchors
+    from dflash.step.objective import sample_anchors
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -210,7 +210,7 @@ def measure(
     """Compile (first call) and, with time_it, time forward and forward + backward of one candidate."""
     import torch
 
-    from dflash.attention.flex import FlexBackend, layer_kind
+    from dflash.step.attention.flex import FlexBackend, layer_kind
 
     kind = layer_kind(window)
     backend = FlexBackend(kernel_options={kind: opts or {}})
@@ -290,7 +290,7 @@ def main() -> None:
     ap.add_argument(
         "--write-table",
         default="",
-        help="merge the winners into this table file (dflash/attention/flex_tuned.json is the job's)",
+        help="merge the winners into this table file (dflash/step/attention/flex_tuned.json is the job's)",
     )
     ap.add_argument(
         "--allow-tma",
@@ -342,7 +342,7 @@ def main() -> None:
 
     inputs = make_inputs(args)
     flops_fwd = {}
-    from dflash.attention.mask import allowed_pairs
+    from dflash.step.attention.mask import allowed_pairs
 
     for w in windows(args):
         pairs = allowed_pairs(

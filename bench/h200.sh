@@ -9,7 +9,7 @@
 #   a. pytest -m gpu -q tests/          -> $OUT/pytest.log             <= 75 s
 #   b. bench/attention.py               -> $OUT/attention.json         <= 40 s   (log: benches.log)
 #  b2. only with H200_ONLY=... flex_tune: bench/flex_tune.py, winners written into
-#      dflash/attention/flex_tuned.json for the later steps -> $OUT/flex_tune.json, flex_tuned.json  ~150 s
+#      dflash/step/attention/flex_tuned.json for the later steps -> $OUT/flex_tune.json, flex_tuned.json  ~150 s
 #   c. bench/drafter_step.py --profile   -> $OUT/drafter_step.json      <= 150 s  (log: benches.log)
 #  c2. only when asked: drafter_step_before (loss unfused, untuned flex) -> drafter_step_before.json
 #  c3. only when asked: optimizer: bench/optimizer.py --sweep -> $OUT/optimizer.json   ~30 s
@@ -102,14 +102,14 @@ step pytest "$(budget 75 "$(after pytest)")" "$OUT/pytest.log" "$PY" -m pytest -
 # (b), (c) kernel and drafter-step benchmarks
 step attention "$(budget 40 "$(after attention)")" "$OUT/benches.log" \
   "$PY" bench/attention.py "${TINY[@]}" --out "$OUT/attention.json"
-# Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind dflash/attention/flex_tuned.json.
+# Only when asked (H200_ONLY=flex_tune): the kernel-option sweep behind dflash/step/attention/flex_tuned.json.
 # Its winners are written into that table here, so every later step of this call runs with them; the
 # table comes back as $OUT/flex_tuned.json (commit it). H200_TUNE_ARGS: e.g. "--only 0,4,6".
 if asked flex_tune; then
   step flex_tune "$(budget 220)" "$OUT/tune.log" \
     "$PY" bench/flex_tune.py "${TINY[@]}" --work "$WORK/flex-tune" --out "$OUT/flex_tune.json" \
-    --write-table dflash/attention/flex_tuned.json ${H200_TUNE_ARGS:-}
-  cp dflash/attention/flex_tuned.json "$OUT/flex_tuned.json"
+    --write-table dflash/step/attention/flex_tuned.json ${H200_TUNE_ARGS:-}
+  cp dflash/step/attention/flex_tuned.json "$OUT/flex_tuned.json"
 fi
 # The job's own step (DrafterTrainer.train_step), both backends, profiled; one shared compile cache.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/step-inductor"

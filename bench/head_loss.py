@@ -1,6 +1,6 @@
 """The LM-head cross-entropy of the DFlash objective, side by side: the job's loss (chunked, the
 gradient taken in the forward pass) with each chunk's elementwise work fused (train.fused_loss =
-true: on a GPU by the Triton kernel of dflash.loss_kernel, or as one compiled function) and run
+true: on a GPU by the Triton kernel of dflash.step.loss_kernel, or as one compiled function) and run
 eagerly (false); the same chunks under activation checkpointing (each chunk's logits recomputed in
 backward); plain autograd through the full [N, V] logits; and, where installed, the kernel libraries
 that fuse the head and the loss: liger-kernel's fused linear cross-entropy and cut-cross-entropy,
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import bench_ms, default_out, write_report  # noqa: E402
 
-from dflash.objective import dflash_loss, position_weights  # noqa: E402
+from dflash.step.objective import dflash_loss, position_weights  # noqa: E402
 
 
 def _chunk_ce(
@@ -88,15 +88,15 @@ def library_losses() -> dict[str, Callable[..., torch.Tensor]]:
 
 
 CE_SWEEP = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 32)]
-"""(tile, warps) of the loss kernel timed by --ce-sweep; dflash.loss_kernel's defaults come from it."""
+"""(tile, warps) of the loss kernel timed by --ce-sweep; dflash.step.loss_kernel's defaults come from it."""
 
 
 def ce_sweep(chunk: int, vocab: int, reps: int) -> list[dict[str, object]]:
     """The chunk's elementwise work alone, on bf16 logits of one chunk: the kernel at each (tile,
     warps), and the compiled chunk function, with the bytes each moves per ms (the kernel reads the
     logits twice and writes the gradient once)."""
-    from dflash import loss_kernel
-    from dflash.objective import _chunk_loss
+    from dflash.step import loss_kernel
+    from dflash.step.objective import _chunk_loss
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(chunk, vocab, device="cuda", dtype=torch.bfloat16, generator=g)

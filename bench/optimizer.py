@@ -1,6 +1,6 @@
-"""The drafter's optimizer step (clipping and AdamW through dflash.trainer.clip_and_step, as the
+"""The drafter's optimizer step (clipping and AdamW through dflash.step.trainer.clip_and_step, as the
 trainer calls it) on the 8B drafter's own trainable parameters: the job's KernelAdamW
-(dflash.optim_kernel) against torch's fused AdamW, and the kernel's tile and warps swept.
+(dflash.step.optim_kernel) against torch's fused AdamW, and the kernel's tile and warps swept.
 
 H200:  python bench/optimizer.py --sweep --out $OUT/optimizer.json
 CPU:   python bench/optimizer.py --tiny --out /tmp/optimizer.json   (smoke run: off CUDA both are torch's)
@@ -35,8 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from dflash.optim_kernel import BLOCK, NUM_WARPS, KernelAdamW
-    from dflash.trainer import clip_and_step
+    from dflash.step.optim_kernel import BLOCK, NUM_WARPS, KernelAdamW
+    from dflash.step.trainer import clip_and_step
 
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke run")

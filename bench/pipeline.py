@@ -11,7 +11,7 @@ Phases, in one process (each frees the GPU before the next):
   1. target dir: a random Qwen3 (Qwen3-8B sizes) built on the device in bf16, save_pretrained as
      safetensors with the demo's byte-level tokenizer (reused when complete);
   2. the phases' batches: the first --batches batches target worker 0 of the job draws (the job's
-     own data path, dflash.session.prepare_data and make_batcher), so every phase runs the same
+     own data path, dflash.data.prepare.prepare_data and make_batcher), so every phase runs the same
      rows, buckets and padding as the end-to-end job;
   3. baseline: plain transformers forward (AutoModel -> Qwen3Model, output_hidden_states=True, sdpa);
   4. target-only: TargetCapture (k layers, stops after the last needed one), as the job resolves
@@ -143,7 +143,7 @@ def make_target(path: Path, spec: dict[str, Any], device: str) -> tuple[Path, fl
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.demo import build_tiny_tokenizer
+    from dflash.data.demo import build_tiny_tokenizer
 
     marker = path / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
@@ -282,8 +282,8 @@ def job_batches(cfg: Any, work: Path, count: int) -> list[Any]:
     job train on the same rows, buckets and padding."""
     from itertools import islice
 
+    from dflash.data.prepare import make_batcher, plan_job, prepare_data
     from dflash.rundir import RunDir
-    from dflash.session import make_batcher, plan_job, prepare_data
 
     scratch = work / "phase-data"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -337,9 +337,9 @@ def bench_target(
 ) -> dict:
     import torch
 
-    from dflash.plan import build_plan
-    from dflash.session import torch_dtype
-    from dflash.shapes import apply_recompile_limit
+    from dflash.plan.builder import build_plan
+    from dflash.plan.resolve import torch_dtype
+    from dflash.plan.shapes import apply_recompile_limit
     from dflash.target import TargetCapture
 
     dev = torch.device(device)
@@ -378,10 +378,10 @@ def bench_drafter(
     import torch
     from transformers import AutoConfig
 
-    from dflash.model import resolve_spec
-    from dflash.session import torch_dtype
+    from dflash.plan.resolve import torch_dtype
+    from dflash.step.model import resolve_spec
+    from dflash.step.trainer import DrafterTrainer, StepAhead
     from dflash.target import load_frozen_head
-    from dflash.trainer import DrafterTrainer, StepAhead
 
     dev = torch.device(device)
     spec = resolve_spec(cfg.drafter, AutoConfig.from_pretrained(str(target_dir)), mask_id)
@@ -669,13 +669,13 @@ def main() -> None:
     started = time.time()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    from dflash.compile_cache import use_cache_dir
+    from dflash.cache.job_side import use_cache_dir
 
     use_cache_dir(work / "compile")  # before torch compiles anything; the e2e job inherits it via env
     import torch
 
     from dflash.config import load_config
-    from dflash.model import default_target_layer_ids
+    from dflash.step.model import default_target_layer_ids
 
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke run")

@@ -1,7 +1,7 @@
 """The attention's q/k RMSNorm + rotary embedding at the 8B drafter step's sizes: the module path as
-dflash.model.DrafterAttention runs it (Qwen3RMSNorm, transpose, apply_rotary_pos_emb, the cast to
+dflash.step.model.DrafterAttention runs it (Qwen3RMSNorm, transpose, apply_rotary_pos_emb, the cast to
 bf16), compiled by inductor as the trainer's regional compile does, against dflash's kernel
-(`attention.fused_qk_norm_rope`, the op dflash.attention.qk_norm_rope.qk_norm_rope), forward and
+(`attention.fused_qk_norm_rope`, the op dflash.step.attention.qk_norm_rope.qk_norm_rope), forward and
 forward + backward; then the kernel alone for each (rows per program, warps, backward programs).
 
 H200:  python bench/qk_norm_rope.py --sweep --out $OUT/qk_norm_rope.json
@@ -50,8 +50,8 @@ def main() -> None:
     import torch
     from transformers import Qwen3Config
 
-    from dflash.attention import qk_norm_rope as qk
-    from dflash.model import Qwen3RMSNorm, Qwen3RotaryEmbedding, norm_rope
+    from dflash.step.attention import qk_norm_rope as qk
+    from dflash.step.model import Qwen3RMSNorm, Qwen3RotaryEmbedding, norm_rope
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     if not args.tiny and not on_gpu:
@@ -74,7 +74,7 @@ def main() -> None:
         pos = torch.arange(T, device=device)[None].expand(B, T)
         return rotary(torch.zeros(1, device=device), pos)
 
-    # The job's own q/k path (dflash.model.norm_rope), cast to the dtype the attention takes.
+    # The job's own q/k path (dflash.step.model.norm_rope), cast to the dtype the attention takes.
     compiled = {
         path: torch.compile(
             lambda x, norm, cos, sin, fused=fused: norm_rope(x, norm, (cos, sin), fused).to(torch.bfloat16),

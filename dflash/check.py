@@ -11,7 +11,7 @@ too). With --json the last stdout line is one object, for dflashctl to parse:
      "config": the resolved config, or null when the config has errors,
      "shm_bytes": bytes of /dev/shm the host's hidden-state queue and its two drafter state copies
                   (pipeline.state_copy_every) map, or null when unknown,
-     "plan": the job plan on this machine (dflash.plan: device, attention, loss and precision
+     "plan": the job plan on this machine (dflash.plan.builder: device, attention, loss and precision
              choices, target compile, drafter sizes, shape plan, recompile limit, placement), or null,
      "entry": "dflash.launch"}
 `key` is the dotted config key ("train.lr"); "" for what is no key (the file, the arguments,
@@ -57,7 +57,7 @@ class Report:
     """The resolved config; None when the config itself has errors (it would show defaults there)."""
     shm_bytes: int | None = None
     plan: dict[str, Any] | None = None
-    """The job plan (dflash.plan.JobPlan.to_dict) on this machine; None when the config has errors."""
+    """The job plan (dflash.plan.builder.JobPlan.to_dict) on this machine; None when the config has errors."""
     spare: dict[str, Any] | None = None
     """The spare drafters (pipeline.spare_drafters) as the launcher resolves them here: mode, why,
     host_bytes and gpu_bytes each, per_host of them."""
@@ -93,7 +93,7 @@ def check(
     rdzv_endpoint: str | None = None,
     run_dir: str | None = None,
 ) -> Report:
-    from dflash.launch import host_problems
+    from dflash.plan.hosts import host_problems
 
     report = Report()
     if run_dir is not None:
@@ -144,10 +144,10 @@ def check(
 
 def _check_choices(cfg: JobConfig, sizes: TargetSizes | None, report: Report) -> torch.device | None:
     """The job's device (None where run.device is refused) and every choice the plan makes on it
-    that this machine cannot run, reported by key (dflash.plan.plan_problems). The fused q/k kernel
+    that this machine cannot run, reported by key (dflash.plan.builder.plan_problems). The fused q/k kernel
     is judged with the drafter's head dim where the target's config.json gives it."""
-    from dflash.plan import plan_problems
-    from dflash.spec import drafter_head_dim
+    from dflash.plan.builder import plan_problems
+    from dflash.plan.spec import drafter_head_dim
 
     head_dim = (
         None if sizes is None else drafter_head_dim(cfg.drafter, sizes.hidden, sizes.heads, sizes.head_dim)
@@ -159,10 +159,10 @@ def _check_choices(cfg: JobConfig, sizes: TargetSizes | None, report: Report) ->
 
 
 def _plan(cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, report: Report) -> Any:
-    """The job plan (dflash.plan) as the job will build it here, the drafter's sizes from the
+    """The job plan (dflash.plan.builder) as the job will build it here, the drafter's sizes from the
     target's config.json (None, with a warning, where they cannot be resolved). The mask token does
     not change the trainable sizes; the check reads no tokenizer, so it plans with the config's or 0."""
-    from dflash.plan import build_plan
+    from dflash.plan.builder import build_plan
 
     path = None if cfg.target.path == "tiny" else cfg.target.path
     try:
@@ -178,7 +178,7 @@ def _plan(cfg: JobConfig, device: torch.device, sizes: TargetSizes | None, repor
 def _target_config(sizes: TargetSizes) -> Any:
     """The target's config as an object the drafter's sizes resolve from, from config.json alone."""
     if sizes.config is None:  # the tiny demo target
-        from dflash.demo import tiny_config
+        from dflash.data.demo import tiny_config
 
         return tiny_config(sizes.layers, sizes.hidden)
     from transformers import Qwen3Config
@@ -193,8 +193,8 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
     """The device lists and the placement on them, reported."""
     import torch
 
-    from dflash.pipeline import worker_devices
-    from dflash.placement import cuda_index, missing_devices, placement_problems
+    from dflash.plan.placement import cuda_index, missing_devices, placement_problems
+    from dflash.plan.resolve import worker_devices
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = cfg.pipeline
@@ -230,7 +230,7 @@ def _check_devices(cfg: JobConfig, report: Report) -> None:
 def _check_data(cfg: JobConfig, report: Report) -> None:
     path = Path(cfg.data.path)
     if cfg.data.path != "demo" and not (path.is_file() and os.access(path, os.R_OK)):
-        # The job reads one file (dflash.data.load_dataset), so a directory is refused here too.
+        # The job reads one file (dflash.data.dataset.load_dataset), so a directory is refused here too.
         what = "is a directory" if path.is_dir() else "is not a readable file"
         report.error("data.path", f"{path} {what}; pass a JSONL file of text/messages records, or `demo`")
 
@@ -256,7 +256,7 @@ class TargetSizes(NamedTuple):
 
 def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
     if cfg.target.path == "tiny":
-        from dflash.demo import check_tiny
+        from dflash.data.demo import check_tiny
 
         try:
             check_tiny(cfg.target.tiny_layers, cfg.target.tiny_hidden)
@@ -292,10 +292,10 @@ def _target_sizes(cfg: JobConfig, report: Report) -> TargetSizes | None:
 
 def _shm_bytes(cfg: JobConfig, layers: int, hidden: int, report: Report) -> int | None:
     """Bytes of /dev/shm the launcher's hidden-state queue maps, exactly as it will size it."""
-    from dflash.launch import slot_bytes, slot_problem
     from dflash.pipeline.transport import segment_bytes, segment_path
-    from dflash.resolve import target_layer_ids
-    from dflash.session import torch_dtype
+    from dflash.plan.placement import slot_bytes, slot_problem
+    from dflash.plan.resolve import torch_dtype
+    from dflash.plan.spec import target_layer_ids
 
     try:
         features = len(target_layer_ids(cfg.drafter, layers)) * hidden
@@ -341,11 +341,10 @@ def _state_copy_bytes(cfg: JobConfig, spec: Any, report: Report) -> int:
 
 def _spare(cfg: JobConfig, spec: Any, report: Report) -> dict[str, Any] | None:
     """The spare drafters' mode and cost on this host, decided as the launcher decides them before
-    any worker (dflash.launch.plan_spares); a mode asked for that does not fit is an error naming
+    any worker (dflash.plan.spares.plan_spares); a mode asked for that does not fit is an error naming
     the key."""
-    from dflash.launch import plan_spares
-    from dflash.pipeline import worker_devices
-    from dflash.session import torch_dtype
+    from dflash.plan.resolve import torch_dtype, worker_devices
+    from dflash.plan.spares import plan_spares
 
     if spec is None:
         if not report.errors:

@@ -189,7 +189,7 @@ class TargetConfig:
     length bucket are in the shape plan, warm-cache and the fingerprint). auto: on a GPU where
     attention.compile is on (hidden-state capture 43.4K vs 33.0K tok/s, 1.32x, at the 8B batch shape
     on an H200: bench/pipeline.py --batch 12 --target-compile); off on the CPU, where a cold compile
-    costs a short run more than it wins (dflash.resolve.resolve_target_compile)."""
+    costs a short run more than it wins (dflash.plan.resolve.resolve_target_compile)."""
     tiny_layers: Annotated[int, AtLeast1] = 8
     """Layers of the `tiny` target."""
     tiny_hidden: Annotated[int, Range(ge=16)] = 64
@@ -273,19 +273,19 @@ class AttentionConfig:
     """SDPA backend: blocks per chunk for the full-attention layer."""
     tuned_kernels: bool = True
     """flex: compile with the kernel options (tiles, stages, warps) measured best for the DFlash mask
-    on this GPU (dflash.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
+    on this GPU (dflash.step.attention.flex.TUNED_KERNEL_OPTIONS; docs/BENCHMARKS.md); false = inductor's
     defaults. GPUs without a measured entry always get the defaults. On the H200, with the
     closed-form BlockMask, the 8B step went from 289.0 ms to 276.7 ms (docs/BENCHMARKS.md)."""
     flex_kernels: str = "auto"
     """flex | dflash | auto (= dflash on a GPU, flex elsewhere): the flex backend's attention kernels:
     flex's own (compiled by inductor from the mask), or dflash's hand-written Triton forward and
-    backward for the DFlash mask (dflash.attention.triton_attention: flex's block-sparse tiles and
+    backward for the DFlash mask (dflash.step.attention.triton_attention: flex's block-sparse tiles and
     arithmetic, their programs run longest first; docs/BENCHMARKS.md has their speed on the H200).
     On the CPU dflash's kernels run only through Triton's interpreter (the tests), so auto is flex."""
     fused_qk_norm_rope: str = "auto"
     """true | false | auto (= true where dflash's attention kernels run: a GPU, the flex backend,
     flex_kernels resolving to dflash, a power-of-two head dim): the layers' q/k RMSNorm and rotary
-    embedding as one Triton kernel each way (dflash.attention.qk_norm_rope; the module path's
+    embedding as one Triton kernel each way (dflash.step.attention.qk_norm_rope; the module path's
     arithmetic and roundings) instead of inductor's kernels for them. true where those kernels do
     not run is refused. On the H200 it took the 8B step's q/k kernels from about 3.2 ms to 1.9, the
     step 1.8 ms faster (docs/BENCHMARKS.md)."""
@@ -324,7 +324,7 @@ class DataConfig:
     0 = any bad record stops the job; 1 = bad records are only skipped and counted."""
     responses: bool = False
     """Train on the target's own responses to data.path's prompts instead of its records' text
-    (dflash.responses: generated once, at the job's start or by `python -m dflash.responses`, and
+    (dflash.data.responses: generated once, at the job's start or by `python -m dflash.responses`, and
     kept as a content-addressed dataset under <cache_dir or runs_root>/.responses)."""
     response_max_new: Annotated[int, AtLeast1] = 64
     """New tokens per response (fewer where the target stops with its eos token)."""
@@ -364,7 +364,7 @@ class TrainConfig:
     """Max block tokens (rows x anchors per row x drafter.block_size) per drafter batch: the drafter's
     real work, which a sequence-token budget does not bound (a short bucket fits many more rows,
     each with as many anchors as a long one). 0 = the longest bucket's block tokens, so that no
-    bucket is heavier for the drafter than the longest one. See dflash.shapes."""
+    bucket is heavier for the drafter than the longest one. See dflash.plan.shapes."""
     max_batch_size: Annotated[int, AtLeast1] = 64
     num_anchors: Annotated[int, AtLeast1] = 512
     """Anchors sampled per sequence among loss positions."""
@@ -504,7 +504,7 @@ def config_problems(cfg: JobConfig) -> list[ConfigError]:
     return [problem for problem, _keys in _cross_field_rules(cfg)]
 
 
-# The shape arithmetic the cross-field rules need; dflash.shapes builds the shape plan on it.
+# The shape arithmetic the cross-field rules need; dflash.plan.shapes builds the shape plan on it.
 def round_up(n: Any, multiple: int) -> Any:
     """n (an int or an integer array) rounded up to a multiple: the bucket length of a sequence."""
     return -(-n // multiple) * multiple

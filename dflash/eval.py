@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.data.tokenizer import record_prompt
 from dflash.errors import ConfigError, DFlashError
 from dflash.exiting import without_final_gc
-from dflash.tokenizer import record_prompt
 
 DEMO_HELDOUT_SEED = 104_729
 """The demo corpus is demo_records(2000, seed 0); the held-out prompts come from this other seed."""
@@ -89,7 +89,7 @@ def open_source(path: Path, target: str | None) -> Source:
         )
     if target is not None:
         return Source(drafter_dir, kind, target, "target", cfg)
-    from dflash.inputs import locate_target
+    from dflash.data.inputs import locate_target
 
     return Source(drafter_dir, kind, locate_target(cfg), cfg.data.tokenizer, cfg)
 
@@ -101,9 +101,9 @@ def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash.model import DFlashDrafter
-    from dflash.spec import DrafterSpec
+    from dflash.plan.spec import DrafterSpec
     from dflash.specdec import Target
+    from dflash.step.model import DFlashDrafter
     from dflash.target import check_model_dir, load_frozen_head
 
     check_model_dir(src.target_path)
@@ -149,7 +149,7 @@ def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
 def read_prompts(path: str, tok: Any, *, prompt_tokens: int, limit: int, seed: int) -> list[list[int]]:
     """Token ids of each prompt (see the module doc); records without a prompt are skipped."""
     if path == "demo":
-        from dflash.demo import demo_records
+        from dflash.data.demo import demo_records
 
         records: list[Any] = demo_records(max(limit, 1) * 5, seed=DEMO_HELDOUT_SEED + seed)
     else:
@@ -216,8 +216,8 @@ def _progress(i: int, n: int, tau: float | None) -> None:
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from dflash.data.tokenizer import load_tokenizer
     from dflash.specdec import decode, decode_plain, greedy, summarize
-    from dflash.tokenizer import load_tokenizer
 
     src = open_source(Path(args.source), args.target)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

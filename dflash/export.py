@@ -43,7 +43,7 @@ def export(src: Path, out: Path, *, dtype: str = "bfloat16", force: bool = False
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash.spec import DrafterSpec
+    from dflash.plan.spec import DrafterSpec
 
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from dflash.model import DFlashDrafter
+    from dflash.step.model import DFlashDrafter
 
 
 class Target:

@@ -121,7 +121,7 @@ class TargetCapture:
             # Regional: each layer's forward is compiled (identical layers share one graph per shape)
             # and the capture hooks run eagerly around it. Compiling the whole module call would trace
             # the hooks too, one graph per captured slot (the slot is a constant of the hook), past
-            # the plan's recompile limit (dflash.shapes counts the layer graphs).
+            # the plan's recompile limit (dflash.plan.shapes counts the layer graphs).
             for layer in layers:
                 layer.forward = torch.compile(layer.forward, dynamic=False)
 

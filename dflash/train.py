@@ -13,12 +13,19 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from dflash.config import JobConfig, add_config_args, load_config
+from dflash.data.prepare import make_batcher, plan_job, prepare_data
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.rundir import Heartbeat, RunDir
+from dflash.plan.placement import gpu_mem_gb
+from dflash.plan.resolve import torch_dtype
+from dflash.rundir import Heartbeat, RunDir, format_status_line
+from dflash.step.trainer import DrafterSide
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from dflash.session import open_run_dir
+        from dflash.manifest import open_run_dir
 
         run = open_run_dir(cfg, args.run_dir, argv=sys.argv)
         return train(cfg, run)
@@ -59,12 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: JobConfig, run: RunDir) -> int:
-    from dflash import session
-    from dflash.trainer import pad_batch
+    from dflash.step.trainer import pad_batch
 
     stop = StopFlag()
     stop.install()
-    job = session.prepare(cfg, run)  # tokenizer, data, target, drafter: errors before any heavy work
+    job = prepare(cfg, run)  # tokenizer, data, target, drafter: errors before any heavy work
     tgt_hb = Heartbeat(run, "target", 0, rank=None, device=str(job.device)).start()
     dft_hb = Heartbeat(run, "drafter", 0, rank=0, device=str(job.device)).start()
     trainer, batches = job.trainer, job.batches
@@ -73,7 +79,7 @@ def train(cfg: JobConfig, run: RunDir) -> int:
     failure: BaseException | None = None
 
     def finish(done: list[Any]) -> None:
-        """Book the steps read back (dflash.trainer.StepAhead keeps one queued ahead)."""
+        """Book the steps read back (dflash.step.trainer.StepAhead keeps one queued ahead)."""
         nonlocal last_status
         for i, (result, _) in enumerate(done):
             meter.add_step(result)
@@ -114,6 +120,85 @@ def train(cfg: JobConfig, run: RunDir) -> int:
         run.event("stopped", reason=reason, step=trainer.step)
     print(f"run directory: {run.root}", flush=True)
     return 0
+
+
+class Job:
+    """Single-process job: one target and one drafter in turn (dflash.train)."""
+
+    def __init__(self, cfg: JobConfig, run: RunDir) -> None:
+        from dflash.plan.resolve import apply_worker_threads
+        from dflash.target import TargetCapture
+
+        self.cfg, self.run = cfg, run
+        apply_worker_threads(
+            "train"
+        )  # the thread count dflash.cache.warm compiled the single-process job under
+        torch.manual_seed(cfg.run.seed)
+        parts = prepare_data(cfg, run)
+        plan = plan_job(cfg, parts)
+        self.device = plan.torch_device
+        from dflash.plan.placement import preflight
+
+        # One process holds the target and the drafter on one device: the same checks as a pipeline.
+        preflight(cfg, [str(self.device)], [str(self.device)], parts.target_path)
+        self.drafter = DrafterSide(cfg, run, parts.target_path, parts.mask_token_id, self.device, plan=plan)
+        self.trainer = self.drafter.trainer
+        self.target = TargetCapture(
+            parts.target_path,
+            self.drafter.spec.target_layer_ids,
+            dtype=torch_dtype(cfg.target.dtype),
+            device=self.device,
+            compile=self.drafter.plan.target_compile,
+        )
+        self.batcher = make_batcher(cfg, parts.dataset, plan=self.drafter.plan)
+        self.drafter.resume()
+        if self.drafter.data_state is not None:
+            self.batcher.load_state_dict(self.drafter.data_state)
+        self.batches: Iterator[Any] = iter(self.batcher)
+        run.event(
+            "started",
+            mode="single-process",
+            device=str(self.device),
+            backend=self.trainer.backend,
+            resumed_from=self.drafter.resumed_from,
+            step=self.trainer.step,
+            total_steps=cfg.train.total_steps,
+            spec=self.drafter.spec.to_hf_config(),
+            data=parts.dataset.summary(),
+        )
+
+    def new_meter(self) -> Any:
+        from dflash.step.trainer import Meter
+
+        return Meter(total_steps=self.cfg.train.total_steps)
+
+    def target_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return self.target(ids.to(self.device), lens.to(self.device))
+
+    def emit_metrics(self, meter: Any, *, step: int, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
+        """The status record; step: the last step read back (one more may be queued already)."""
+        from dflash.step.guard import compile_counters
+
+        rec = meter.record(
+            step=step,
+            q_pre=q_pre,
+            q_hs=q_hs,
+            epoch=self.batcher.epoch_progress,
+            compile=compile_counters(),
+            gpu_mem_gb=gpu_mem_gb(self.device, "drafter-0"),
+        )
+        self.run.metric(rec)
+        print(format_status_line(rec), flush=True)
+        return rec
+
+    def save_checkpoint(self) -> None:
+        from dflash.checkpoint import rng_state
+
+        self.drafter.checkpoint({"0": self.batcher.state_dict()}, {"0": rng_state()})
+
+
+def prepare(cfg: JobConfig, run: RunDir) -> Job:
+    return Job(cfg, run)
 
 
 if __name__ == "__main__":

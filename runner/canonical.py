@@ -1,6 +1,6 @@
 """Canonical JSON and hashing shared by every artifact check.
 
-The job side (dflash/fingerprint.py) spells the same canonical form; the two must agree byte for
+The job side (dflash/cache/fingerprint.py) spells the same canonical form; the two must agree byte for
 byte, because the key of an artifact is sha256 of its fingerprint's canonical JSON.
 """
 

@@ -1,5 +1,5 @@
 """Running a test file's check_* functions under Triton's interpreter (TRITON_INTERPRET=1), for the
-hand-written kernels (dflash.loss_kernel, dflash.optim_kernel) on the CPU.
+hand-written kernels (dflash.step.loss_kernel, dflash.step.optim_kernel) on the CPU.
 
 The interpreter must be on before Triton is first imported (triton.language's own helpers are
 jitted at import), and other tests import it through inductor: the checks run in a process of

@@ -1,4 +1,4 @@
-"""Starting the real job (`python -m dflash.train` / `dflash.launch`) on the demo config from tests."""
+"""Starting the real job (`python -m dflash.train` / `dflash.pipeline.supervisor`) on the demo config from tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared_inputs import seed_runs_root
 
-from dflash.launch import kill_process_tree
+from dflash.pipeline.supervisor import kill_process_tree
 
 STARTED: list[subprocess.Popen[str]] = []
 """Every job a test started; conftest kills what is left of them after each test, so a failed test

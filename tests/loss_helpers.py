@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.objective import LossOutput, dflash_loss
+from dflash.step.objective import LossOutput, dflash_loss
 
 
 def loss_and_grad(

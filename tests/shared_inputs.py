@@ -1,7 +1,7 @@
 """The read-only inputs every demo job prepares alike, made once per test session and copied into
 each job test's runs root before its job starts: the tiny random target that `target.path = "tiny"`
-builds there (dflash.demo.make_tiny_target), the demo corpus, the target's responses to it that the
-demo trains on (dflash.responses) and their tokenized cache. The job then
+builds there (dflash.data.demo.make_tiny_target), the demo corpus, the target's responses to it that the
+demo trains on (dflash.data.responses) and their tokenized cache. The job then
 finds them complete, as a rerun on the same runs root does, and skips seconds of building and
 tokenizing on CI's two cores. Building them is tested where it is the subject: the tiny target in
 tests/dflash/test_target.py (concurrent builders included), the corpus and the cache in
@@ -9,7 +9,7 @@ tests/dflash/test_data.py, and in every test that does not seed its runs root.
 
 One build per session: the directory is named in the environment by the first pytest process
 (conftest), so pytest-xdist's workers inherit it, and an flock makes the second worker wait for the
-first one's build. It is built by the job's own functions (dflash.session), in a subprocess run from
+first one's build. It is built by the job's own functions (dflash.manifest), in a subprocess run from
 this checkout, so a test process never imports transformers for it.
 """
 
@@ -33,8 +33,9 @@ _BUILD = """
 import dataclasses, sys
 from pathlib import Path
 from dflash.config import load_config
-from dflash.data import load_dataset
-from dflash.session import open_target, training_data_path
+from dflash.data.dataset import load_dataset
+from dflash.data.inputs import open_target
+from dflash.data.prepare import training_data_path
 
 root = Path(sys.argv[1])
 cfg = load_config(sys.argv[2], [f"run.runs_root={root}"])

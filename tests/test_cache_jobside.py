@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.compile_cache import compiled_event, expect_warm, use_cache_dir
-from dflash.fingerprint import canonical_json as job_canonical
+from dflash.cache.fingerprint import canonical_json as job_canonical
+from dflash.cache.job_side import compiled_event, expect_warm, use_cache_dir
 from runner.cache.signing import hmac_key_id, load_keyring
 from runner.canonical import canonical_json as runner_canonical
 from runner.errors import RunnerError

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from dflash.config import JobConfig, add_config_args, load_config
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.pipeline import DATA_SUMMARY_ENV, worker_devices
+from dflash.pipeline import DATA_SUMMARY_ENV
 from dflash.pipeline.timeline import TIMELINE, last_heartbeat, number
+from dflash.plan.resolve import worker_devices
 from dflash.rundir import Heartbeat, RunDir, format_status_line
 
 if TYPE_CHECKING:
@@ -217,21 +218,23 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
     """Train this rank until the last step or a stop. spare: a spare drafter process that took the
     rank over (dflash.pipeline.spare): its imports, CUDA context and built drafter are used, its
     timeline starts at the torchrun worker it serves."""
-    from dflash.compile_cache import cache_dir_from_env
-    from dflash.inputs import open_target
-    from dflash.kernels import compile_counters
+    from dflash.cache.job_side import cache_dir_from_env
+    from dflash.data.inputs import open_target
     from dflash.pipeline.state_copy import StateCopier, copy_dir
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.resolve import apply_worker_threads
-    from dflash.session import DrafterSide, alloc_retries, gpu_mem_gb
-    from dflash.trainer import Meter, ddp_backend
+    from dflash.plan.placement import alloc_retries, gpu_mem_gb
+    from dflash.plan.resolve import apply_worker_threads
+    from dflash.step.guard import compile_counters
+    from dflash.step.trainer import DrafterSide, Meter, ddp_backend
 
     tl = TIMELINE if spare is None else spare.timeline
     g = Group()
     if spare is None:
         tl.mark("imports")
         cache_dir_from_env()  # before anything compiles
-        apply_worker_threads("drafter")  # the thread count dflash.warm compiled the pipeline drafter under
+        apply_worker_threads(
+            "drafter"
+        )  # the thread count dflash.cache.warm compiled the pipeline drafter under
     device = _device(cfg, g)
     if spare is None:
         if device.type == "cuda":
@@ -359,7 +362,7 @@ def run_drafter(cfg: JobConfig, run: RunDir, queue_name: str, spare: Takeover | 
             )
 
         def finish(done: list[tuple[Any, Any]]) -> None:
-            """Book the steps read back, oldest first (dflash.trainer.StepAhead keeps one queued
+            """Book the steps read back, oldest first (dflash.step.trainer.StepAhead keeps one queued
             ahead; the push that queues a checkpoint step reads it). Their batches are acked only
             once a state copy or checkpoint holds their step (at once without copies): a batch
             whose step is lost to a death is redelivered."""

@@ -11,7 +11,7 @@ GPU); mode graphs moves them to the device, builds the trainer, and runs one tra
 planned shape on synthetic batches so that its compiled graphs are loaded (then restores the
 initial weights, optimizer, scheduler and RNG states, and empties the allocator cache). Graphs
 need a second step's peak memory on the device and a one-rank group (a larger group compiles
-under DDP); dflash.placement.spare_plan decides.
+under DDP); dflash.plan.spares.spare_plan decides.
 
 Then it listens on a Unix socket (dflash.pipeline.drafter_entry.spare_socket). A torchrun worker of
 a new generation connects with its command line and environment; the spare checks that they are
@@ -41,15 +41,15 @@ import torch
 from dflash.config import JobConfig, add_config_args, load_config
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.pipeline import worker_devices
 from dflash.pipeline.drafter_entry import receive, send, spare_socket
 from dflash.pipeline.timeline import Timeline
+from dflash.plan.resolve import worker_devices
 from dflash.rundir import SUPERVISOR_ENV, RunDir, supervisor_alive
 
 
 @dataclass
 class Built:
-    """What a spare made ahead (dflash.session.DrafterSide takes it as `built`)."""
+    """What a spare made ahead (dflash.step.trainer.DrafterSide takes it as `built`)."""
 
     mode: str
     device: torch.device
@@ -73,11 +73,11 @@ class Takeover:
 
 
 def build(cfg: JobConfig, run: RunDir, device: torch.device, mode: str) -> Built:
-    from dflash.inputs import open_target
-    from dflash.plan import build_plan
-    from dflash.session import DrafterSide, torch_dtype
+    from dflash.data.inputs import open_target
+    from dflash.plan.builder import build_plan
+    from dflash.plan.resolve import torch_dtype
+    from dflash.step.trainer import DrafterSide, build_drafter
     from dflash.target import load_frozen_head
-    from dflash.trainer import build_drafter
 
     target_path, _, mask_id = open_target(cfg)
     embed, head, target_config = load_frozen_head(
@@ -102,7 +102,7 @@ def load_graphs(cfg: JobConfig, side: Any) -> None:
     """One training step per planned shape on synthetic batches, so the compiled graphs of each are
     loaded (from the compile cache, or compiled), then the trainer put back to its initial state:
     weights, optimizer (no moments), scheduler, step, anchor generator, torch's RNGs."""
-    from dflash.warm import synthetic_step_inputs
+    from dflash.cache.warm import synthetic_step_inputs
 
     trainer = side.trainer
     weights = {k: v.detach().clone() for k, v in trainer.weights().items()}
@@ -207,9 +207,9 @@ def _exit_with_worker(conn: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash.compile_cache import cache_dir_from_env
+    from dflash.cache.job_side import cache_dir_from_env
     from dflash.pipeline.drafter_worker import run_drafter
-    from dflash.resolve import apply_worker_threads
+    from dflash.plan.resolve import apply_worker_threads
 
     p = argparse.ArgumentParser(prog="python -m dflash.pipeline.spare")
     add_config_args(p, run_dir="the job's run directory", run_dir_required=True)

@@ -222,7 +222,7 @@ def copy_nbytes(spec: Any) -> int:
     """One copy's tensor bytes for a drafter spec: float32 weights and two float32 AdamW moments
     per trainable element, plus each tensor's step count and alignment. Built on the meta device:
     exact, and no memory."""
-    from dflash.model import DFlashDrafter
+    from dflash.step.model import DFlashDrafter
 
     meta = torch.device("meta")
     with meta:
@@ -428,7 +428,7 @@ class TensorFile:
 
 class StateCopier:
     """One drafter rank's side of the copies: DrafterTrainer calls `before_update` before each
-    optimizer step and `after_update` after it (dflash.trainer).
+    optimizer step and `after_update` after it (dflash.step.trainer).
 
     Copies start once the host's tensors file is ready: created at the first due step, then
     page-locked in the background (pinning touches every page of both slots: seconds at the 8B

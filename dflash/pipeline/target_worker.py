@@ -26,7 +26,7 @@ from dflash.config import JobConfig, add_config_args, load_config
 from dflash.exiting import without_final_gc
 from dflash.pipeline.timeline import GENERATION_ENV, TIMELINE, last_heartbeat, number
 from dflash.rundir import Heartbeat, RunDir, atomic_write_json
-from dflash.trainer import pad_batch
+from dflash.step.trainer import pad_batch
 
 
 def data_state_path(run: RunDir, index: int) -> Path:
@@ -98,14 +98,15 @@ def run_target(
     """data_world: target workers over all hosts; worker `index` reads shard `index` of data_world."""
     import json
 
+    from dflash.data.prepare import make_batcher, plan_job, prepare_data
     from dflash.pipeline.transport import HiddenStateQueue
-    from dflash.resolve import apply_worker_threads
-    from dflash.session import alloc_retries, make_batcher, plan_job, prepare_data, torch_dtype
+    from dflash.plan.placement import alloc_retries
+    from dflash.plan.resolve import apply_worker_threads, torch_dtype
     from dflash.target import TargetCapture
 
     tl = TIMELINE
     tl.mark("imports")
-    apply_worker_threads("target")  # the thread count dflash.warm compiled the target under
+    apply_worker_threads("target")  # the thread count dflash.cache.warm compiled the target under
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -127,7 +128,7 @@ def run_target(
             batcher.load_state_dict(json.loads(state_path.read_text()))
         tl.mark("data")
         hb.set("computing", note="loading target")
-        from dflash.shapes import apply_recompile_limit
+        from dflash.plan.shapes import apply_recompile_limit
 
         if job.target_compile:
             apply_recompile_limit(job.shapes)

@@ -663,7 +663,7 @@ class HiddenStateQueue:
                     if cuda:
                         self._pin_for_cuda()
                     # Queued behind the device's work, not waited for: a blocking copy would wait for
-                    # the drafter's step still queued (dflash.trainer.StepAhead) and idle the GPU
+                    # the drafter's step still queued (dflash.step.trainer.StepAhead) and idle the GPU
                     # while the next step is launched. The slot stays leased until ack(), which comes
                     # after the step that read these tensors, so the copy is done before reuse.
                     tensors[entry["name"]] = view.to(device, copy=True, non_blocking=cuda)

@@ -14,7 +14,7 @@ from runner.cache.store import Artifact, Store, now_iso
 from runner.canonical import fingerprint_key
 
 CACHE_ROOTS = ["inductor", "triton"]
-"""Subdirectories of a cache dir: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (dflash.compile_cache)."""
+"""Subdirectories of a cache dir: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (dflash.cache.job_side)."""
 
 
 def snapshot(

@@ -165,7 +165,7 @@ def _kill_all(h: HostRecord, ids: list[ProcId]) -> None:
 
 def _takes_sigterm(view: RunView) -> bool:
     """The supervisor holds the run directory, so its SIGTERM handler is installed: the job installs
-    it before it takes job.lock (dflash/launch.py, EarlyStop), and a signal from then on ends the run
+    it before it takes job.lock (dflash/pipeline/supervisor.py, EarlyStop), and a signal from then on ends the run
     in order (a `stopped` event; a checkpoint once the drafters train). Before that, a SIGTERM would
     meet the default handler and kill it without a trace."""
     return view.running

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.attention import make_backend
+from dflash.step.model import make_backend
 
 S, K, H, G, D = 100, 7, 4, 2, 16
 ANCHORS = torch.tensor([[0, 3, 50, 99, -1], [1, 10, 20, 40, 60]])
@@ -138,8 +138,8 @@ def test_closed_form_block_mask_equals_create_block_mask(seed):
     causal blocks, padded (-1) anchors, short rows and shapes that are not tile multiples."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.attention.flex import block_mask_and_tables
-    from dflash.attention.mask import dflash_mask_mod
+    from dflash.step.attention.flex import block_mask_and_tables
+    from dflash.step.attention.mask import dflash_mask_mod
 
     g = torch.Generator().manual_seed(seed)
     K = (16, 7, 16, 4)[seed]
@@ -195,11 +195,11 @@ def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, kernel_tiles, load_tuned
-    from dflash.attention.triton_attention import FwdTiles, Tiles, check_tiles
+    from dflash.step.attention.flex import TUNED_TABLE, FlexBackend, FlexPlan, kernel_tiles, load_tuned
+    from dflash.step.attention.triton_attention import FwdTiles, Tiles, check_tiles
 
     shipped = load_tuned(TUNED_TABLE)
-    assert shipped, "dflash/attention/flex_tuned.json is missing or empty"
+    assert shipped, "dflash/step/attention/flex_tuned.json is missing or empty"
     for opts in shipped.values():
         # flex's own options, and dflash's kernels' tiles named by their fields
         flex_keys = [k for k in opts if not k.startswith("kernel_")]
@@ -222,7 +222,7 @@ def test_tuned_kernel_options_are_picked_by_gpu_head_dim_and_layer_kind(tmp_path
     assert tuned == {((9, 0), 128, "sliding"): opts}
     assert load_tuned(tmp_path / "absent.json") == {}
     bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, None, 128, 128, device="cpu")
-    import dflash.attention.flex as flex
+    import dflash.step.attention.flex as flex
 
     saved = flex.TUNED_KERNEL_OPTIONS
     flex.TUNED_KERNEL_OPTIONS = tuned
@@ -247,7 +247,7 @@ def test_sdpa_context_slices_take_few_widths_and_keep_every_needed_key():
     still covers the keys its blocks need, stays inside the context, and takes only widths that are
     multiples of SLICE_WIDTH_MULTIPLE or the whole context: a handful of cuDNN plans, not one per
     batch."""
-    from dflash.attention.sdpa import SLICE_WIDTH_MULTIPLE, widen
+    from dflash.step.attention.sdpa import SLICE_WIDTH_MULTIPLE, widen
 
     S = 4096
     widths = set()

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from jobs import start_job
 
-import dflash.data as data_mod
+import dflash.data.dataset as data_mod
 from dflash.config import DataConfig
-from dflash.data import load_dataset
-from dflash.demo import demo_records
+from dflash.data.dataset import load_dataset
+from dflash.data.demo import demo_records
+from dflash.data.tokenizer import ByteTokenizer
 from dflash.errors import DFlashError
 from dflash.rundir import RunDir
-from dflash.tokenizer import ByteTokenizer
 
 GOOD = [json.dumps({"text": f"record {i}: a perfectly ordinary line of training text"}) for i in range(12)]
 CHAT_OK = {
@@ -105,8 +105,8 @@ def test_a_record_the_tokenizer_rejects_loses_only_itself(tmp_path, monkeypatch)
 
 
 def test_the_target_tokenizer_skips_lone_surrogates(tmp_path):
-    from dflash.demo import make_tiny_target
-    from dflash.tokenizer import load_tokenizer
+    from dflash.data.demo import make_tiny_target
+    from dflash.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer("target", str(make_tiny_target(tmp_path / "tiny", layers=1)))
     path, bad_at = _mixed_file(tmp_path / "mixed.jsonl")

@@ -14,8 +14,8 @@ import torch
 from dflash import check
 from dflash.config import load_config
 from dflash.errors import ConfigError
-from dflash.launch import slot_bytes
 from dflash.pipeline.transport import HiddenStateQueue, segment_bytes
+from dflash.plan.placement import slot_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.toml")
@@ -170,10 +170,10 @@ def test_shm_bytes_is_what_the_queue_maps(tmp_path, capsys):
     """Against the job's own resolution: the tiny target built and read as the launcher reads it."""
     from transformers import AutoConfig
 
-    from dflash.inputs import open_target
-    from dflash.model import resolve_spec
+    from dflash.data.inputs import open_target
     from dflash.pipeline.state_copy import copies_nbytes
-    from dflash.session import torch_dtype
+    from dflash.plan.resolve import torch_dtype
+    from dflash.step.model import resolve_spec
 
     sets = [f"run.runs_root={tmp_path}", "pipeline.queue_depth=3", "target.dtype=bfloat16"]
     sets += ["drafter.num_target_layers=4", "data.max_seq_len=700", "data.bucket_multiple=128"]
@@ -318,7 +318,7 @@ def test_the_spare_drafters_mode_and_cost_are_reported(tmp_path, capsys):
     assert (spare["mode"], spare["per_host"], spare["gpu_bytes"]) == ("graphs", 1, 0)
     from transformers import Qwen3Config
 
-    from dflash.spec import resolve_spec
+    from dflash.plan.spec import resolve_spec
 
     spec = resolve_spec(
         load_config(DEMO, sets).drafter, Qwen3Config(num_hidden_layers=40, hidden_size=512), 0

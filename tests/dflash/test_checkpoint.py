@@ -81,7 +81,7 @@ def test_export_makes_a_servable_bf16_drafter(tmp_path):
     from dflash.config import DrafterConfig
     from dflash.errors import DFlashError
     from dflash.export import main as export_main
-    from dflash.model import DFlashDrafter, DrafterSpec, resolve_spec
+    from dflash.step.model import DFlashDrafter, DrafterSpec, resolve_spec
 
     target = Qwen3Config(
         vocab_size=64,

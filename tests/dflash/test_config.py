@@ -78,7 +78,7 @@ def test_bf16_weights_resolves_on_for_a_single_gpu_drafter_only(repo):
     stays on float32 weights (its gradients would be averaged in bf16); false is false anywhere."""
     import torch
 
-    from dflash.resolve import resolve_bf16_weights
+    from dflash.plan.resolve import resolve_bf16_weights
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     single = load_config(repo / "configs" / "qwen3-8b.toml")
@@ -99,7 +99,7 @@ def test_flex_kernels_are_dflash_on_a_gpu_and_flex_elsewhere(repo):
     interpreter); either when set; a value that is neither is refused with its key named."""
     import torch
 
-    from dflash.resolve import resolve_flex_kernels
+    from dflash.plan.resolve import resolve_flex_kernels
 
     cfg = load_config(repo / "configs" / "qwen3-8b.toml")
     assert resolve_flex_kernels(cfg, torch.device("cuda")) == "dflash"
@@ -119,10 +119,10 @@ def test_the_fused_qk_norm_rope_is_auto_on_with_dflash_kernels_and_refused_where
     starts, naming the key and what to do instead; any other value is refused."""
     import torch
 
-    from dflash import resolve
+    from dflash.plan import resolve
 
     def resolve_fused_qk_norm_rope(cfg, device, head_dim=None):
-        """As dflash.plan asks it: with the backend and kernels the plan resolved (on the CPU the
+        """As dflash.plan.builder asks it: with the backend and kernels the plan resolved (on the CPU the
         shipped flex backend is refused by its own check, so no backend)."""
         backend = resolve.resolve_backend(cfg, device) if device.type == "cuda" else None
         kernels = resolve.resolve_flex_kernels(cfg, device)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from dflash.config import DataConfig
-from dflash.data import TokenBudgetBatcher, TokenizedDataset, load_dataset
-from dflash.demo import write_demo_corpus
+from dflash.data.dataset import TokenBudgetBatcher, TokenizedDataset, load_dataset
+from dflash.data.demo import write_demo_corpus
+from dflash.data.tokenizer import ByteTokenizer
 from dflash.errors import DFlashError
-from dflash.shapes import make_plan
-from dflash.tokenizer import ByteTokenizer
+from dflash.plan.shapes import make_plan
 
 
 def _cfg(path: Path | str, **kw: object) -> DataConfig:
@@ -77,7 +77,7 @@ def test_bad_records_are_skipped_counted_and_logged(tmp_path: Path) -> None:
 
 
 def test_token_id_records_are_trained_as_they_are(tmp_path: Path) -> None:
-    """`input_ids` records (what dflash.responses writes) keep their exact ids and loss mask; ids a
+    """`input_ids` records (what dflash.data.responses writes) keep their exact ids and loss mask; ids a
     decode and re-encode would change, a mask of the wrong length or an id past the vocabulary are
     that record's problem, skipped and counted."""
     tok = ByteTokenizer()
@@ -275,9 +275,9 @@ def test_batcher_rejects_changed_settings_and_impossible_budgets() -> None:
 def test_target_tokenizer_batches_in_order_across_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dflash.data as data_mod
-    from dflash.demo import demo_records, make_tiny_target
-    from dflash.tokenizer import load_tokenizer
+    import dflash.data.dataset as data_mod
+    from dflash.data.demo import demo_records, make_tiny_target
+    from dflash.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer("target", str(make_tiny_target(tmp_path / "tiny", layers=1)))
     path = write_demo_corpus(tmp_path / "demo.jsonl", n_records=23, seed=5)

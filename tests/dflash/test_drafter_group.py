@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import socket
 
-from dflash.trainer import StepResult
+from dflash.step.trainer import StepResult
 
 
 def _result(

@@ -10,7 +10,7 @@ import sys
 import pytest
 from jobs import start_job
 
-from dflash.demo import make_tiny_target
+from dflash.data.demo import make_tiny_target
 
 
 def _eval(repo, *args: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import torch._dynamo
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash.errors import DegradedKernelError
-from dflash.kernels import (
+from dflash.step.guard import (
     FORCE_COMPILE_DURING_FX_TRACE,
     RECOMPILE_LIMIT,
     UNFUSED_FLEX,

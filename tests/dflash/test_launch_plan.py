@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash.launch import main
+from dflash.pipeline.supervisor import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.toml")
@@ -66,7 +66,7 @@ def test_json_plan_through_the_real_cli_and_its_errors(capsys):
 
 
 def test_good_rendezvous_endpoints_pass(capsys):
-    from dflash.launch import endpoint_problem
+    from dflash.plan.hosts import endpoint_problem
 
     for endpoint in ("10.0.0.1:29400", "gpu0:1", "gpu-0.cluster_a.local:65535", "[fd00::1]:29400", "[::1]:2"):
         assert endpoint_problem(endpoint) is None, endpoint

@@ -1,4 +1,4 @@
-"""The fused loss's Triton kernel (dflash.loss_kernel): on the CPU through Triton's interpreter (the
+"""The fused loss's Triton kernel (dflash.step.loss_kernel): on the CPU through Triton's interpreter (the
 kernel's own code, run on CPU tensors), on the GPU compiled, both against a float64 reference.
 
 The check_* functions run in a process of their own with the interpreter on
@@ -9,8 +9,8 @@ import torch
 from interpreter_helpers import main, run_interpreted
 from loss_helpers import loss_and_grad
 
-from dflash import loss_kernel
-from dflash.objective import chunk_cross_entropy
+from dflash.step import loss_kernel
+from dflash.step.objective import chunk_cross_entropy
 
 
 def test_kernel_through_the_interpreter():

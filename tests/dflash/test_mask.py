@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.attention.mask import allowed_pairs, dense_mask, dflash_mask_mod, mask_name
+from dflash.step.attention.mask import allowed_pairs, dense_mask, dflash_mask_mod, mask_name
 
 S, K = 100, 7
 # Anchor 0 (sees no context), anchor S-1 (the last position), a middle one, and a -1 padded block.

@@ -11,7 +11,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 from dflash.config import DrafterConfig
 from dflash.errors import ConfigError
-from dflash.model import DFlashDrafter, DrafterSpec, default_target_layer_ids, resolve_spec
+from dflash.step.model import DFlashDrafter, DrafterSpec, default_target_layer_ids, resolve_spec
 
 S = 23
 ANCHORS = torch.tensor([[0, 5, 11, 22], [2, 9, -1, -1]])
@@ -82,7 +82,7 @@ def published_forward(model: DFlashDrafter, ids, feats, anchors, seq_lens) -> to
     """The published DFlash layer, written out: each layer's k_proj and v_proj over the rows
     [context; normed block] (the model computes the context's part of all layers in one product).
     The layers' inputs are the model's own (layer_inputs)."""
-    from dflash.model import norm_rope
+    from dflash.step.model import norm_rope
 
     B, A, K = *anchors.shape, model.spec.block_size
     windows, plans, ctx, h, rope_q, rope_kv = model.layer_inputs(ids, feats, anchors, seq_lens)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from loss_helpers import loss_and_grad
 
-from dflash.objective import block_labels, dflash_loss, expected_streak, position_weights, sample_anchors
+from dflash.step.objective import block_labels, dflash_loss, expected_streak, position_weights, sample_anchors
 
 
 def test_anchor_sampling_respects_loss_mask_and_lengths():
@@ -198,7 +198,7 @@ def test_fused_loss_on_gpu_matches_the_float64_reference_within_bf16_tolerance()
 def test_trained_count_started_early_gives_the_same_loss_and_metrics():
     """The trainer counts the trained positions before the forward (trained_count) and hands the count
     to the loss, which then never reads the device mid-step; without it the loss counts itself."""
-    from dflash.objective import trained_count
+    from dflash.step.objective import trained_count
 
     torch.manual_seed(5)
     B, A, K, H, V = 2, 6, 5, 8, 13

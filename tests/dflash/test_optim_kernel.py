@@ -1,4 +1,4 @@
-"""The GPU drafter's optimizer (dflash.optim_kernel.KernelAdamW): its Triton kernel against torch's
+"""The GPU drafter's optimizer (dflash.step.optim_kernel.KernelAdamW): its Triton kernel against torch's
 own fused AdamW, on the CPU through Triton's interpreter (the kernel's own code on CPU tensors) and
 on the GPU compiled. The check_* functions run in a process of their own with the interpreter on
 (tests/interpreter_helpers.py says why)."""
@@ -12,8 +12,8 @@ import torch
 from interpreter_helpers import main, run_interpreted
 from torch import nn
 
-from dflash import optim_kernel
-from dflash.trainer import clip_and_step
+from dflash.step import optim_kernel
+from dflash.step.trainer import clip_and_step
 
 SHAPES = ((7, 5), (5,), (3, 4, 2), (1000,), (0,))
 """Small tensors, one that takes several programs at the test's tile with a masked last one, and

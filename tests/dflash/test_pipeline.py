@@ -356,7 +356,7 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
     assert run.read_events("drafters_done")[-1]["stopped_by_signal"]
     assert run.read_events("checkpoint"), "the orphaned drafters saved a checkpoint on their way out"
     # No clean-up ran: the drafter state copies are left in /dev/shm, and the next job's start
-    # (dflash.launch.state_copies) sweeps them, their supervisor being gone.
+    # (dflash.pipeline.supervisor.state_copies) sweeps them, their supervisor being gone.
     from dflash.pipeline.state_copy import remove_stale_copies
 
     copies = copy_dir(f"{name_for_run(run_dir)}-n0")
@@ -365,7 +365,7 @@ def test_run_dir_in_use_is_refused_and_orphaned_workers_stop_themselves(repo, tm
 
 
 def test_launch_arguments_are_checked_before_anything_starts(repo, capsys):
-    from dflash.launch import main
+    from dflash.pipeline.supervisor import main
 
     config = str(repo / "configs" / "demo-cpu.toml")
     assert main([config, "--plan", "--nnodes", "2"]) == 2

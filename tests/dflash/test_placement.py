@@ -1,4 +1,4 @@
-"""Placement and memory rules (dflash.placement), checked before any worker starts."""
+"""Placement and memory rules (dflash.plan.placement), checked before any worker starts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import load_config
-from dflash.placement import GIB, fit_problems, placement_problems, worst
+from dflash.plan.placement import GIB, fit_problems, placement_problems, worst
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = load_config(str(REPO / "configs" / "qwen3-8b.toml"), ["target.path=tiny", "data.path=demo"])

@@ -1,4 +1,4 @@
-"""dflash.plan: one JobPlan per config and machine, compared whole: what the job will run, where,
+"""dflash.plan.builder: one JobPlan per config and machine, compared whole: what the job will run, where,
 with which kernels, at which shapes."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from transformers import Qwen3Config
 
 from dflash import check
 from dflash.config import load_config
-from dflash.demo import tiny_config
+from dflash.data.demo import tiny_config
 from dflash.errors import ConfigError
-from dflash.plan import AttentionPlan, JobPlan, build_plan
-from dflash.shapes import make_plan
-from dflash.spec import resolve_spec
+from dflash.plan.builder import AttentionPlan, JobPlan, build_plan
+from dflash.plan.shapes import make_plan
+from dflash.plan.spec import resolve_spec
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -178,9 +178,9 @@ def _other(value):
 
 def test_the_cache_key_is_the_plans_compiled_part_field_by_field(tmp_path):
     """Every plan field is marked where it is declared; changing a field marked compiled changes the
-    compile cache's key, changing any other field leaves it (the key is dflash.fingerprint's)."""
-    from dflash.fingerprint import fingerprint_key, job_fingerprint
-    from dflash.plan import compile_part
+    compile cache's key, changing any other field leaves it (the key is dflash.cache.fingerprint's)."""
+    from dflash.cache.fingerprint import fingerprint_key, job_fingerprint
+    from dflash.plan.builder import compile_part
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
     cfg = load_config(Q8B, [f"run.runs_root={tmp_path}"])

@@ -1,4 +1,4 @@
-"""dflash.attention.qk_norm_rope: the q/k RMSNorm + rotary embedding kernels, through Triton's
+"""dflash.step.attention.qk_norm_rope: the q/k RMSNorm + rotary embedding kernels, through Triton's
 interpreter on the CPU against autograd of the module path (Qwen3RMSNorm, apply_rotary_pos_emb), in
 float64 and with the job's bf16 roundings, alone, as a compiled layer calls them, and in the drafter;
 on the GPU against the module path at the 8B drafter's sizes. The check_* functions run in a process
@@ -12,10 +12,10 @@ import torch._dynamo
 from interpreter_helpers import main, run_interpreted
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from dflash.attention import qk_norm_rope as qnr
-from dflash.attention.flex import FlexBackend
-from dflash.attention.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward, unsupported
-from dflash.model import rms_norm
+from dflash.step.attention import qk_norm_rope as qnr
+from dflash.step.attention.flex import FlexBackend
+from dflash.step.attention.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward, unsupported
+from dflash.step.model import rms_norm
 
 EPS = 1e-6
 
@@ -198,7 +198,7 @@ def test_inputs_the_kernels_would_not_compute_as_the_module_path_are_refused():
     from test_model import build, tiny_spec
 
     from dflash.errors import ConfigError
-    from dflash.model import DFlashDrafter
+    from dflash.step.model import DFlashDrafter
 
     x, weight, cos, sin, _ = case(torch.bfloat16)
     assert unsupported(x, weight, cos, sin) is None

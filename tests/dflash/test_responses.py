@@ -1,4 +1,4 @@
-"""The target's own responses as training data (dflash.responses), on the CPU with the demo's tiny
+"""The target's own responses as training data (dflash.data.responses), on the CPU with the demo's tiny
 target loaded through transformers: generated once into content-addressed shards, resumed where it
 stopped, another setting another dataset, a damaged shard refused in one line, and the job
 training on them with data.responses = true."""
@@ -16,12 +16,12 @@ from shared_inputs import seed_runs_root
 from transformers import AutoModelForCausalLM
 
 from dflash.config import load_config
-from dflash.demo import demo_records
+from dflash.data.demo import demo_records
+from dflash.data.inputs import open_target
+from dflash.data.responses import SHARDS, dataset_dir, ensure
+from dflash.data.tokenizer import record_prompt
 from dflash.errors import DFlashError
-from dflash.inputs import open_target
-from dflash.responses import SHARDS, dataset_dir, ensure
 from dflash.specdec import Target, greedy
-from dflash.tokenizer import record_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 

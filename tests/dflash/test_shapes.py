@@ -1,4 +1,4 @@
-"""The shape plan (dflash.shapes): budgets per bucket, anchors per row, graphs and the recompile limit."""
+"""The shape plan (dflash.plan.shapes): budgets per bucket, anchors per row, graphs and the recompile limit."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dflash.config import load_config
-from dflash.data import TokenBudgetBatcher, TokenizedDataset
+from dflash.data.dataset import TokenBudgetBatcher, TokenizedDataset
 from dflash.errors import ConfigError, DFlashError
-from dflash.objective import block_labels, dflash_loss, position_weights, sample_anchors
-from dflash.shapes import make_plan, shape_plan
+from dflash.plan.shapes import make_plan, shape_plan
+from dflash.step.objective import block_labels, dflash_loss, position_weights, sample_anchors
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -72,9 +72,9 @@ def test_target_compile_auto_is_on_where_it_wins(tmp_path: Path) -> None:
     and the fingerprint), not on the CPU; true and false are what they say; anything else is refused."""
     import dataclasses
 
-    from dflash.fingerprint import target_fingerprint
-    from dflash.plan import build_plan
-    from dflash.resolve import resolve_target_compile
+    from dflash.cache.fingerprint import target_fingerprint
+    from dflash.plan.builder import build_plan
+    from dflash.plan.resolve import resolve_target_compile
 
     eight_b = REPO / "configs" / "qwen3-8b.toml"
     cfg = _cfg(eight_b)

@@ -4,7 +4,7 @@ Scaled down: every length (max_seq_len, bucket_multiple, token and block budgets
 sliding window, the loss chunk) divided by one factor, so the bucket count, the rows per bucket and
 which budget binds stay what they are at full size; layer types, block size, batch-size cap and the
 placement (worker counts, one device per worker) unchanged; the tiny random target instead of the
-real one, the CPU instead of GPUs (sdpa: flex has no backward there). Real dflash.warm, then the
+real one, the CPU instead of GPUs (sdpa: flex has no backward there). Real dflash.cache.warm, then the
 real job (the pipeline for a config with [pipeline], as its header says to run it) on a data set
 whose sequences fall in every bucket: zero recompile-limit hits, every planned shape trained, every
 shape's first step a cache hit, nothing degraded.
@@ -24,8 +24,8 @@ from jobs import start_job
 from shared_inputs import seed_runs_root
 
 from dflash.config import load_config, read_config_file
+from dflash.plan.shapes import shape_plan
 from dflash.rundir import RunDir
-from dflash.shapes import shape_plan
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))

@@ -1,4 +1,4 @@
-"""The spare drafters' mode and cost (dflash.placement.spare_plan), decided before any worker starts,
+"""The spare drafters' mode and cost (dflash.plan.spares.spare_plan), decided before any worker starts,
 and the takeover handshake between torchrun's worker and a spare (dflash.pipeline.drafter_entry,
 dflash.pipeline.spare) over a real Unix socket."""
 
@@ -15,7 +15,8 @@ from dflash.config import load_config
 from dflash.errors import ConfigError
 from dflash.pipeline.drafter_entry import hand_to_spare, send, spare_socket
 from dflash.pipeline.spare import Built, refusal, serve
-from dflash.placement import GIB, SPARE_CONTEXT_BYTES, spare_plan
+from dflash.plan.placement import GIB
+from dflash.plan.spares import SPARE_CONTEXT_BYTES, spare_plan
 
 REPO = Path(__file__).resolve().parents[2]
 EIGHT_B = str(REPO / "configs" / "qwen3-8b.toml")

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from dflash.config import load_config
-from dflash.demo import make_tiny_target
-from dflash.model import DFlashDrafter, resolve_spec
+from dflash.data.demo import make_tiny_target
 from dflash.specdec import Target, decode, decode_plain, greedy, summarize
+from dflash.step.model import DFlashDrafter, resolve_spec
 from dflash.target import load_frozen_head
 
 K = 16

@@ -101,7 +101,7 @@ def test_a_torn_copy_is_never_used(repo, tmp_path):
 
 def test_host_memory_refusal_names_the_setting(repo):
     from dflash.config import load_config
-    from dflash.model import resolve_spec
+    from dflash.step.model import resolve_spec
 
     gib = 1 << 30
     assert sc.host_memory_problem(gib, 10 * gib, 10 * gib, 1, 1) is None
@@ -124,9 +124,9 @@ def test_host_memory_refusal_names_the_setting(repo):
 
 
 def test_the_launch_refuses_before_any_worker_when_the_copies_do_not_fit(repo, tmp_path, monkeypatch):
-    """dflash.launch.state_copies, which the launcher calls before the queue and the workers exist."""
-    from dflash import launch
+    """dflash.pipeline.supervisor.state_copies, which the launcher calls before the queue and the workers exist."""
     from dflash.config import load_config
+    from dflash.pipeline import supervisor as launch
     from dflash.rundir import RunDir
 
     cfg = load_config(repo / "configs" / "demo-cpu.toml", [])

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from drafter_step import build_trainer, step_flops  # noqa: E402
 
-from dflash.objective import block_labels, sample_anchors  # noqa: E402
+from dflash.step.objective import block_labels, sample_anchors  # noqa: E402
 
 
 def test_linear_and_head_flops_are_the_steps_own_matrix_products():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.demo import make_tiny_target
+from dflash.data.demo import make_tiny_target
 from dflash.errors import DFlashError
 from dflash.target import TargetCapture, load_frozen_head
 

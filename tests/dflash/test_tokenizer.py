@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.demo import make_tiny_target
+from dflash.data.demo import make_tiny_target
+from dflash.data.tokenizer import ByteTokenizer, RecordError, load_tokenizer, require_mask_token
 from dflash.errors import DFlashError
-from dflash.tokenizer import ByteTokenizer, RecordError, load_tokenizer, require_mask_token
 
 CHAT = [
     {"role": "system", "content": "You add numbers."},

@@ -159,7 +159,7 @@ def test_resume_refuses_a_checkpoint_of_another_drafter(repo, tmp_path):
 
 
 def test_status_records_come_one_per_read_back_never_two_at_once(repo, tmp_path):
-    """The loop keeps one step queued ahead (dflash.trainer.StepAhead); a checkpoint step and the last
+    """The loop keeps one step queued ahead (dflash.step.trainer.StepAhead); a checkpoint step and the last
     step come back together with the step before them. With a status due at every step, the first of
     such a pair gets no record of its own: its interval would be the microseconds between two reads
     (the demo's last record said 166.7K tok/s against 2.4K). Records: 1, 3 (2 came with it), 4, 6."""

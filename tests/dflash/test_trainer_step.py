@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.trainer import clip_and_step
+from dflash.step.trainer import clip_and_step
 
 
 def _params_with_grads(scale: float, seed: int = 0) -> list[nn.Parameter]:
@@ -74,8 +74,8 @@ def _trainer(repo: Path, dev: torch.device, dtype: torch.dtype, *sets: str):
     from transformers import Qwen3Config
 
     from dflash.config import load_config
-    from dflash.model import resolve_spec
-    from dflash.trainer import DrafterTrainer
+    from dflash.step.model import resolve_spec
+    from dflash.step.trainer import DrafterTrainer
 
     cfg = load_config(
         repo / "configs" / "qwen3-8b.toml",
@@ -133,7 +133,7 @@ def test_step_ahead_reads_each_step_once_in_order_and_drains_checkpoint_steps(re
     same results as plain train_step calls, in step order; a drain step (a checkpoint) comes back
     from the push that queued it with nothing queued after it, so the weights then are that step's;
     read_now reads at once yet returns with the next push, like any other step."""
-    from dflash.trainer import StepAhead
+    from dflash.step.trainer import StepAhead
 
     # One 128-token bucket: the order and drain semantics do not need the 512 one (a quarter the CPU).
     sets = CPU_SETS

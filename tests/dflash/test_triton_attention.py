@@ -1,4 +1,4 @@
-"""The hand-written DFlash attention kernels (dflash.attention.triton_attention): on the CPU through
+"""The hand-written DFlash attention kernels (dflash.step.attention.triton_attention): on the CPU through
 Triton's interpreter against float64 autograd of the dense-mask attention, alone and as the flex
 backend's kernels (eager and inside a compiled region, as the trainer's layers call them); on the GPU
 against flex's own kernels at the 8B head sizes.
@@ -16,9 +16,9 @@ import torch
 import torch._dynamo
 from interpreter_helpers import main, run_interpreted
 
-from dflash.attention.flex import FlexBackend, block_mask_and_tables
-from dflash.attention.mask import dense_mask
-from dflash.attention.triton_attention import (
+from dflash.step.attention.flex import FlexBackend, block_mask_and_tables
+from dflash.step.attention.mask import dense_mask
+from dflash.step.attention.triton_attention import (
     DEFAULT_FWD_TILES,
     DEFAULT_TILES,
     FwdTiles,
@@ -178,7 +178,7 @@ def check_forward_schedule_is_every_program_once_longest_first() -> None:
 def test_tiles_the_kernels_cannot_run_are_refused_before_a_launch():
     """A tile that does not divide the sparse block would straddle two of the plan's blocks: the
     kernels would compute the wrong pairs, so such tiles (a hand-edited table) are refused, named."""
-    from dflash.attention.triton_attention import check_tiles
+    from dflash.step.attention.triton_attention import check_tiles
 
     check_tiles(DEFAULT_TILES, 128)
     check_tiles(FwdTiles(BLOCK_M=128, BLOCK_N=16), 128)
@@ -209,7 +209,7 @@ def test_schedules_are_made_once_per_tables_and_go_with_them():
     tables."""
     import gc
 
-    from dflash.attention import triton_attention as ta
+    from dflash.step.attention import triton_attention as ta
 
     anchors, lens = anchors_and_lens()
     block_mask, tables = block_mask_and_tables(
@@ -280,7 +280,7 @@ def check_schedule_is_every_program_once_longest_first() -> None:
 def check_tma_copies_are_made(*checks: Any) -> None:
     """Each check with TMA tiles, and its launches really took the TMA path: descriptors were made
     (tma_ready falls back to the per-thread loads silently)."""
-    from dflash.attention import triton_attention as ta
+    from dflash.step.attention import triton_attention as ta
 
     real, made = ta.tma_descriptor, []
 
@@ -402,7 +402,7 @@ def test_dflash_kernels_match_flex_on_gpu(window, monkeypatch):
     kind = "full" if window is None else "sliding"
     grouped = {kind: {"kernel_fwd_ORDER": 2, "kernel_bwd_ORDER": 2}}
     tma = {kind: {"kernel_fwd_TMA": 1, "kernel_bwd_TMA": 1}}  # at the default tiles
-    from dflash.attention import triton_attention as ta
+    from dflash.step.attention import triton_attention as ta
 
     made = []
     real = ta.tma_descriptor

@@ -1,9 +1,9 @@
-"""dflash.warm compiles what every job process compiles (real torch.compile on CPU).
+"""dflash.cache.warm compiles what every job process compiles (real torch.compile on CPU).
 
 The pipeline's drafter used to compile cold from a warm cache: inductor keys every graph that runs
 C++ on the CPU on the process's intra-op thread count, and the launcher runs drafters with
 OMP_NUM_THREADS=1 while warm (like dflash.train) ran with torch's default. The job processes and warm
-now take that state from one place (dflash.resolve.compile_contexts / worker_threads), and warm
+now take that state from one place (dflash.plan.resolve.compile_contexts / worker_threads), and warm
 compiles once per distinct context.
 """
 
@@ -21,9 +21,9 @@ import torch
 from jobs import start_job
 from shared_inputs import seed_runs_root
 
-from dflash import resolve
 from dflash.config import load_config
-from dflash.resolve import CompileContext, compile_contexts, worker_threads
+from dflash.plan import resolve
+from dflash.plan.resolve import CompileContext, compile_contexts, worker_threads
 from dflash.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]

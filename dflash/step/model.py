@@ -9,7 +9,7 @@ gradient backward, where a product per layer over [context; block] rows needed t
 in every layer's input and (layers - 1) adds of its gradient. Queries come from the block tokens
 only. Per-head q/k RMSNorm, RoPE at true positions (context 0..S-1, block token j of anchor a at
 a + j), GQA, pre-norm residuals. The attention backend
-(flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.attention.mask).
+(flex | sdpa | eager) is chosen per run; all share one mask definition (dflash.step.attention.mask).
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from dflash.attention import AttentionBackend, make_backend, qk_norm_rope
 from dflash.errors import ConfigError
-from dflash.resolve import default_target_layer_ids as default_target_layer_ids  # importable from here
-from dflash.resolve import fused_qk_head_dim_problem
 
-# The spec lives in dflash.spec (no torch model there); importable from here as before.
-from dflash.spec import LAYER_TYPES as LAYER_TYPES
-from dflash.spec import DrafterSpec as DrafterSpec
-from dflash.spec import resolve_spec as resolve_spec
+# The spec lives in dflash.plan.spec (no torch model there); importable from here as before.
+from dflash.plan.spec import LAYER_TYPES as LAYER_TYPES
+from dflash.plan.spec import DrafterSpec as DrafterSpec
+from dflash.plan.spec import default_target_layer_ids as default_target_layer_ids  # importable from here
+from dflash.plan.spec import resolve_spec as resolve_spec
+from dflash.step.attention import BACKENDS, AttentionBackend, qk_norm_rope
+from dflash.step.attention.qk_norm_rope import fused_qk_head_dim_problem
 
 
 def norm_rope(x_BTHD: Tensor, norm: Qwen3RMSNorm, rope: tuple[Tensor, Tensor], fused: bool) -> Tensor:
     """The attention's per-head RMSNorm, then the rotary embedding, of q or k [B, T, heads, D] ->
-    [B, heads, T, D]. fused: dflash's kernel (dflash.attention.qk_norm_rope: the same arithmetic and
+    [B, heads, T, D]. fused: dflash's kernel (dflash.step.attention.qk_norm_rope: the same arithmetic and
     roundings, one kernel each way; inputs it would not compute so are refused, never passed to the
     module path silently), its output in x's dtype; else the module path (float32 under autocast)."""
     if fused:
@@ -128,7 +128,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _rms_norm_compiled() -> Any:
     """rms_norm compiled, made at first use (torch.compile imports inductor: seconds a process that
     only reads the drafter's spec, such as the supervisor, must not pay). Its row count is marked
-    dynamic: one graph per input dtype for every bucket (dflash.shapes counts them)."""
+    dynamic: one graph per input dtype for every bucket (dflash.plan.shapes counts them)."""
     return torch.compile(rms_norm)
 
 
@@ -332,7 +332,7 @@ class DFlashDrafter(nn.Module):
         return _rms_norm_compiled()(x_NH, norm.weight, norm.variance_epsilon).view(x.shape)
 
     def compile_outer_norms(self) -> None:
-        """Compile the outer norms (dflash.trainer.apply_compile does on a GPU)."""
+        """Compile the outer norms (dflash.step.trainer.apply_compile does on a GPU)."""
         self.compiled_norms = True
 
     def lm_head(self, hidden_NH: Tensor) -> Tensor:
@@ -342,3 +342,33 @@ class DFlashDrafter(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
+def make_backend(
+    name: str,
+    *,
+    sdpa_chunk_blocks: int = 64,
+    compile: bool = True,
+    tuned_kernels: bool = True,
+    flex_kernels: str = "flex",
+    fused_qk_norm_rope: bool = False,
+) -> AttentionBackend:
+    """flex | sdpa | eager. Imports lazily: flex compiles at import, which sdpa-only runs skip.
+    tuned_kernels: flex uses the kernel options measured for this GPU (flex.TUNED_KERNEL_OPTIONS);
+    flex_kernels: flex's own kernels or dflash's hand-written ones (dflash.step.attention.triton_attention);
+    fused_qk_norm_rope: with dflash's, the q/k norm + rotary embedding too (dflash.step.attention.qk_norm_rope)."""
+    if name == "flex":
+        from dflash.step.attention.flex import FlexBackend
+
+        return FlexBackend(
+            compile=compile, tuned=tuned_kernels, kernels=flex_kernels, fused_qk_norm_rope=fused_qk_norm_rope
+        )
+    if name == "sdpa":
+        from dflash.step.attention.sdpa import SdpaBackend
+
+        return SdpaBackend(chunk_blocks=sdpa_chunk_blocks)
+    if name == "eager":
+        from dflash.step.attention.reference import EagerBackend
+
+        return EagerBackend()
+    raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")

@@ -1,4 +1,4 @@
-"""The Triton kernels of dflash.attention.qk_norm_rope (its docstring says what they compute).
+"""The Triton kernels of dflash.step.attention.qk_norm_rope (its docstring says what they compute).
 
 Imported only through qk_norm_rope._kernels, which loads a fresh copy per interpreter mode: triton.jit
 reads TRITON_INTERPRET when it decorates, and the interpreter finds a kernel's helpers only among its

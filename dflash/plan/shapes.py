@@ -21,13 +21,13 @@ a constant the layer's graph is specialised on, and the first layer's input (the
 output) needs no grad while every later layer's does. The target's regional compile (target.compile) keeps two per bucket
 (unpadded and padded batches) per target layer type. The fused loss (train.fused_loss) is one
 graph of its own code where it is compiled (its row count is dynamic); on a GPU a Triton kernel of
-its own runs it instead (dflash.loss_kernel: no dynamo graph, its binary in the triton cache). The two norms outside the
+its own runs it instead (dflash.step.loss_kernel: no dynamo graph, its binary in the triton cache). The two norms outside the
 layers (the context's and the final one, compiled with the layers on a GPU) have dynamic row counts
 too: one code, a graph per input dtype, at most
 OUTER_NORM_GRAPHS. With dflash's own attention kernels (attention.flex_kernels, a GPU's default) the
 attention is one custom op inside the layer's graph: no graph of its own (its Triton kernels are
 compiled per tile shape into the triton cache, as the loss kernel's). The recompile limit is set to the largest of these counts: every planned graph fits, and a shape outside the plan hits the limit, which
-dflash.kernels reports as a degraded kernel (and strict mode refuses).
+dflash.step.guard reports as a degraded kernel (and strict mode refuses).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from typing import Any
 
 from dflash.config import JobConfig, anchors_for, round_up
 from dflash.errors import DFlashError
+from dflash.plan.spec import drafter_layer_types
 
 OUTER_NORM_GRAPHS = 2
-"""Graphs of the compiled outer norms' code (dflash.model.rms_norm): the context's norm takes the fc's
+"""Graphs of the compiled outer norms' code (dflash.step.model.rms_norm): the context's norm takes the fc's
 output (bf16 under autocast), the final norm the fp32 residual stream; their row counts are dynamic."""
 
 TARGET_VARIANTS = 2
@@ -221,14 +222,9 @@ def make_plan(
     )
 
 
-def drafter_layer_types(drafter: Any) -> list[str]:
-    """A DrafterConfig's layer types: as listed, or all sliding but the last (the published layout)."""
-    return list(drafter.layer_types) or ["sliding_attention"] * (drafter.num_layers - 1) + ["full_attention"]
-
-
 def shape_plan(cfg: JobConfig, *, target_path: str | None = None, target_compile: bool = False) -> ShapePlan:
     """The plan of a config's shapes; target_compile: whether the target's layers are compiled (the
-    job plan's, dflash.plan, resolved on the job's device); target_path: the target's directory,
+    job plan's, dflash.plan.builder, resolved on the job's device); target_path: the target's directory,
     whose config.json tells how many layer types its compiled layers have (read only then)."""
     d, t = cfg.data, cfg.train
     target_layer_types = 1

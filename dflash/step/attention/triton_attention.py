@@ -19,7 +19,7 @@ returns the output and its natural-log log-sum-exp (as flex's return_aux does), 
 backward needs from it besides the output.
 
 Masking: a tile listed as full is computed unmasked; a partial one through the per-row intervals
-of dflash.attention.flex.block_mask_and_tables (context [lo, hi) and own block [own_lo, own_hi)), the
+of dflash.step.attention.flex.block_mask_and_tables (context [lo, hi) and own block [own_lo, own_hi)), the
 pairs that mask allows, no others. A row that allows no key gets output 0 and lse -inf (flex's
 convention).
 
@@ -29,7 +29,7 @@ product per step) was measured on the H200 on 2026-12-03 and lost: 7.55 ms again
 8B step's full layer at the same tiles, 5.13 at its best tiles (docs/BENCHMARKS.md).
 
 On the CPU the job never calls these; the tests run them through Triton's interpreter
-(dflash.triton_jit) against float64 autograd of the dense-mask reference.
+(dflash.step.triton_jit) against float64 autograd of the dense-mask reference.
 
 TMA (a tile option, FwdTiles.TMA / Tiles.TMA): the tiles the loops step over come in by bulk copies
 through host-side descriptors over the tensors' own strides (tma_descriptor), rows past the end as 0.
@@ -57,7 +57,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dflash.triton_jit import jit_per_mode, unit_stride_last
+from dflash.step.triton_jit import jit_per_mode, unit_stride_last
 
 
 class Tiles(NamedTuple):
@@ -100,11 +100,11 @@ class FwdTiles(NamedTuple):
 
 
 DEFAULT_FWD_TILES = FwdTiles()
-"""flex's tuned forward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
+"""flex's tuned forward tiles for the H200 (dflash/step/attention/flex_tuned.json), the same tile work."""
 
 
 DEFAULT_TILES = Tiles()
-"""flex's tuned backward tiles for the H200 (dflash/attention/flex_tuned.json), the same tile work."""
+"""flex's tuned backward tiles for the H200 (dflash/step/attention/flex_tuned.json), the same tile work."""
 
 LOG2_E = 1.4426950408889634
 """Scores are taken in base 2: s * scale * log2(e) against the log-sum-exp over ln 2, one multiply
@@ -515,7 +515,7 @@ def check_tiles(tiles: Tiles | FwdTiles, sparse: int) -> None:
     if bad:
         raise ValueError(
             f"attention tiles {bad} must each divide the sparse block ({sparse}) and be at least 16: "
-            "fix the kernel_fwd_*/kernel_bwd_* entries of dflash/attention/flex_tuned.json"
+            "fix the kernel_fwd_*/kernel_bwd_* entries of dflash/step/attention/flex_tuned.json"
         )
     if not 0 <= tiles.ORDER < len(ORDERS):
         raise ValueError(f"attention tile ORDER {tiles.ORDER} is not an index into {ORDERS}")

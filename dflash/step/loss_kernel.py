@@ -5,14 +5,14 @@ Per row of a chunk's [C, V] logits, one program makes two passes over the vocabu
      argmax of the row (the first index of its maximum, as torch.argmax) from the same tiles;
   2. the gradient w * (softmax - onehot), written over the logits in place (the caller drops the
      logits as soon as it has the gradient, so no second [C, V] buffer is allocated).
-Two reads and one write of the bf16 logits. The compiled chunk function (dflash.objective's
+Two reads and one write of the bf16 logits. The compiled chunk function (dflash.step.objective's
 chunk_cross_entropy under torch.compile) reads them three times and was bound by its per-element
 arithmetic on the H200 (7.7 ms of the 8B step for 2 x 8192 rows, docs/BENCHMARKS.md).
 
 Softmax and cross-entropy in float32, the same maths as chunk_cross_entropy; only the order of the
 float32 sums differs (the test compares both against a float64 reference). On the CPU the job never
 calls this (the compiled or eager chunk runs there); the CPU tests run it through Triton's
-interpreter (dflash.triton_jit).
+interpreter (dflash.step.triton_jit).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dflash.triton_jit import jit_per_mode, on_kernel_device
+from dflash.step.triton_jit import jit_per_mode, on_kernel_device
 
 BLOCK = 2048
 """Logits per tile: each pass loads a row in tiles of this many. Chosen by bench/head_loss.py

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash.attention.mask import layer_masks, mask_name
-from dflash.attention.triton_attention import (
+from dflash.step.attention.mask import layer_masks, mask_name
+from dflash.step.attention.triton_attention import (
     DEFAULT_FWD_TILES,
     DEFAULT_TILES,
     FwdTiles,
@@ -61,7 +61,7 @@ def block_mask_and_tables(
     causal_block: bool,
 ) -> tuple[BlockMask, Tables]:
     """The DFlash mask's BlockMask computed from the anchors, in closed form, and the tables the
-    hand-written kernels (dflash.attention.triton_attention) read: the same tile lists and intervals.
+    hand-written kernels (dflash.step.attention.triton_attention) read: the same tile lists and intervals.
 
     create_block_mask evaluates mask_mod on every (query, key) pair: eagerly that is a [B, Q, KV]
     grid per layer type per batch (2 x 8192 x 12288 at the 8B step: about 8 ms of GPU time and a
@@ -132,7 +132,7 @@ def block_mask_and_tables(
 
 
 BLOCK_MASK_SECONDS = [0.0]
-"""Wall seconds this process spent building block masks (block_mask_and_tables): dflash.warm
+"""Wall seconds this process spent building block masks (block_mask_and_tables): dflash.cache.warm
 reports it in its per-shape compile-time breakdown."""
 
 
@@ -205,12 +205,12 @@ class FlexBackend:
         if kernels not in KERNELS:
             raise ValueError(f"flex kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.kernels = kernels
-        """flex: flex's compiled kernels; dflash: dflash.attention.triton_attention's forward and
+        """flex: flex's compiled kernels; dflash: dflash.step.attention.triton_attention's forward and
         backward (one custom op, dflash_attention)."""
         if fused_qk_norm_rope and kernels != "dflash":
             raise ValueError("the fused q/k norm + rotary kernel goes with dflash's attention kernels only")
         self.fused_qk_norm_rope = fused_qk_norm_rope
-        """dflash's kernels take the q/k norm and rotary embedding too (dflash.attention.qk_norm_rope)."""
+        """dflash's kernels take the q/k norm and rotary embedding too (dflash.step.attention.qk_norm_rope)."""
 
     def kernel_options(self, plan: FlexPlan, head_dim: int, dtype: torch.dtype) -> dict[str, Any] | None:
         """The options this layer's flex kernels compile with (None: inductor's defaults); the table's
@@ -309,7 +309,7 @@ def _split_tiles(tiles: list[int]) -> tuple[FwdTiles, Tiles]:
 def dflash_attention(
     q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor], tiles: list[int]
 ) -> tuple[Tensor, Tensor]:
-    """(out, natural-log lse) of the DFlash attention by dflash.attention.triton_attention's forward;
+    """(out, natural-log lse) of the DFlash attention by dflash.step.attention.triton_attention's forward;
     its backward is that module's backward kernel (registered below). tables: the plan's Tables;
     tiles: FwdTiles' then Tiles' fields. One op, opaque to the compiled layer around it."""
     fwd, _ = _split_tiles(tiles)
@@ -347,7 +347,7 @@ def dflash_attention_backward(
     tables: list[Tensor],
     tiles: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) by dflash.attention.triton_attention's backward (the log-sum-exp's own gradient
+    """(dq, dk, dv) by dflash.step.attention.triton_attention's backward (the log-sum-exp's own gradient
     is not taken: dflash_attention's callers never use the lse)."""
     return attention_backward(
         grad_out,

@@ -9,8 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import ConfigError
-from dflash.resolve import target_layer_ids
-from dflash.shapes import drafter_layer_types
 
 if TYPE_CHECKING:
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
@@ -235,3 +233,33 @@ def resolve_spec(cfg: Any, target_config: Any, mask_token_id: int) -> DrafterSpe
         target_num_hidden_layers=n_target,
         hidden_act=str(getattr(target_config, "hidden_act", "silu")),
     )
+
+
+def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
+    """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
+    start = 1 if n_target_layers > 1 else 0
+    end = max(start, n_target_layers - 3)
+    if k == 1:
+        return [n_target_layers // 2]  # the reference's choice for a single layer: the middle one
+    return sorted({round(start + i * (end - start) / (k - 1)) for i in range(k)})
+
+
+def target_layer_ids(drafter: Any, n_target_layers: int) -> list[int]:
+    """The target layers a DrafterConfig captures (sorted), checked against the target's depth."""
+    ids = list(drafter.target_layer_ids) or default_target_layer_ids(
+        n_target_layers, drafter.num_target_layers
+    )
+    for i in ids:
+        if not 0 <= i < n_target_layers:
+            raise ConfigError(
+                "drafter.target_layer_ids",
+                f"layer {i} does not exist: the target has {n_target_layers} layers (0..{n_target_layers - 1})",
+            )
+    if len(set(ids)) != len(ids):
+        raise ConfigError("drafter.target_layer_ids", f"has duplicates: {ids}")
+    return sorted(ids)
+
+
+def drafter_layer_types(drafter: Any) -> list[str]:
+    """A DrafterConfig's layer types: as listed, or all sliding but the last (the published layout)."""
+    return list(drafter.layer_types) or ["sliding_attention"] * (drafter.num_layers - 1) + ["full_attention"]

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from dflash import loss_kernel
+from dflash.step import loss_kernel
 
 
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """x on `device` without the host waiting for the device. A CUDA copy from pageable host memory
     returns only once the copy is done, which is after everything already queued on the stream: it
-    would hold the host until the step queued before is finished (dflash.trainer.StepAhead). From
+    would hold the host until the step queued before is finished (dflash.step.trainer.StepAhead). From
     pinned memory the copy is queued like a kernel; the pinned buffer is kept until it ran."""
     if device.type != "cuda" or x.device.type != "cpu":
         return x.to(device, non_blocking=True)
@@ -216,7 +216,7 @@ def chunk_cross_entropy(
 def _chunk_cross_entropy_compiled() -> Any:
     """chunk_cross_entropy compiled, made at first use (torch.compile imports inductor). The chunk's
     row count is marked dynamic at every call (the last chunk's size depends on the length bucket),
-    so one graph per (dtype, want_grad) serves every bucket: dflash.shapes counts it."""
+    so one graph per (dtype, want_grad) serves every bucket: dflash.plan.shapes counts it."""
     return torch.compile(chunk_cross_entropy)
 
 
@@ -235,7 +235,7 @@ def _chunk_loss(
     kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's loss: eagerly, or fused: by the Triton kernel where it applies (a GPU, float32
-    softmax; dflash.loss_kernel, which overwrites the logits with their gradient), else the compiled
+    softmax; dflash.step.loss_kernel, which overwrites the logits with their gradient), else the compiled
     chunk function."""
     if not fused:
         return chunk_cross_entropy(logits_CV, y_C, w_C, ce_dtype, want_grad)
@@ -369,7 +369,7 @@ def dflash_loss(
     """Weighted cross-entropy over trained block positions through the frozen head, in chunks of
     `chunk_tokens` with the gradient taken in the forward pass (see _HeadCrossEntropy). fused=True
     runs each chunk's softmax, loss, accuracy and gradient fused (train.fused_loss): on a GPU by the
-    Triton kernel of dflash.loss_kernel, elsewhere (or with kernel=False) as one compiled function.
+    Triton kernel of dflash.step.loss_kernel, elsewhere (or with kernel=False) as one compiled function.
 
     Only the trained positions go through the head: their indices are the valid ones, ascending, and
     their count comes from `trained` (trained_count(valid_BAK), started before the forward: then

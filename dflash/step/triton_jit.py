@@ -1,4 +1,4 @@
-"""What the hand-written Triton kernels (dflash.loss_kernel, dflash.optim_kernel) share: where they
+"""What the hand-written Triton kernels (dflash.step.loss_kernel, dflash.step.optim_kernel) share: where they
 run, and jitting each once per interpreter mode.
 
 Triton is imported at a kernel's first use, never at import of this module: on the CPU the job

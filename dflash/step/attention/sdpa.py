@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.attention.mask import layer_masks
+from dflash.step.attention.mask import layer_masks
 
 SLICE_MULTIPLE = 128
 """Context slices are rounded out to multiples of this. SDPA's cuDNN kernels build an execution plan

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.errors import ConfigError
-from dflash.triton_jit import kernel_device
+from dflash.errors import ConfigError, DFlashError
+from dflash.step.triton_jit import kernel_device
 
 if TYPE_CHECKING:
     from dflash.config import JobConfig
@@ -71,6 +71,8 @@ def resolve_fused_qk_norm_rope(
     choice = str(cfg.attention.fused_qk_norm_rope).lower()
     if choice == "false":
         return False
+    from dflash.step.attention.qk_norm_rope import fused_qk_head_dim_problem
+
     runs = device.type == "cuda" and backend == "flex" and kernels == "dflash"
     problem = fused_qk_head_dim_problem(head_dim) if head_dim is not None else None
     if choice == "auto":
@@ -92,15 +94,6 @@ def resolve_fused_qk_norm_rope(
             "with the flex backend, or set it false or auto",
         )
     return True
-
-
-def fused_qk_head_dim_problem(head_dim: int) -> str | None:
-    """Why dflash's q/k kernel cannot take this head dim (None: it can)."""
-    from dflash.attention.qk_norm_rope import head_dim_supported
-
-    if head_dim_supported(head_dim):
-        return None
-    return f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto"
 
 
 def resolve_target_compile(cfg: JobConfig, device: torch.device | None = None) -> bool:
@@ -129,7 +122,7 @@ def resolve_fused_loss(cfg: JobConfig, device: torch.device) -> bool:
 def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
     """train.bf16_weights: auto is true on a GPU for a single drafter (the same maths as float32
     weights, to bf16 tolerance); a drafter group would average bf16 gradients (the config's docstring).
-    The float32 masters live in dflash.optim_kernel's KernelAdamW, which runs on CUDA (and on the CPU
+    The float32 masters live in dflash.step.optim_kernel's KernelAdamW, which runs on CUDA (and on the CPU
     only under Triton's interpreter, for the tests)."""
     s = str(cfg.train.bf16_weights).lower()
     if s == "auto":
@@ -149,43 +142,18 @@ def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
     return all(d == "cpu" for d in drafters) if s == "auto" else s == "true"
 
 
-def default_target_layer_ids(n_target_layers: int, k: int) -> list[int]:
-    """k ids evenly spaced from 1 to n-3 (the published choice), rounded, deduplicated, sorted."""
-    start = 1 if n_target_layers > 1 else 0
-    end = max(start, n_target_layers - 3)
-    if k == 1:
-        return [n_target_layers // 2]  # the reference's choice for a single layer: the middle one
-    return sorted({round(start + i * (end - start) / (k - 1)) for i in range(k)})
-
-
-def target_layer_ids(drafter: Any, n_target_layers: int) -> list[int]:
-    """The target layers a DrafterConfig captures (sorted), checked against the target's depth."""
-    ids = list(drafter.target_layer_ids) or default_target_layer_ids(
-        n_target_layers, drafter.num_target_layers
-    )
-    for i in ids:
-        if not 0 <= i < n_target_layers:
-            raise ConfigError(
-                "drafter.target_layer_ids",
-                f"layer {i} does not exist: the target has {n_target_layers} layers (0..{n_target_layers - 1})",
-            )
-    if len(set(ids)) != len(ids):
-        raise ConfigError("drafter.target_layer_ids", f"has duplicates: {ids}")
-    return sorted(ids)
-
-
 # ---- the process state compiled code depends on --------------------------------------------------
 #
 # inductor keys (and specialises) a graph that runs C++ on the CPU on the process's intra-op thread
 # count (torch.get_num_threads(): FxGraphHashDetails.cpp_runtime_thread_count), and dynamo's
 # DDPOptimizer compiles a layer that runs inside DistributedDataParallel as other graphs (split at
-# gradient-bucket boundaries). Both are process state, not config, so dflash.warm can only compile
+# gradient-bucket boundaries). Both are process state, not config, so dflash.cache.warm can only compile
 # what a job process compiles if each job process takes that state from here, and warm compiles
 # once per distinct state (compile_contexts).
 
 ROLES = ("train", "target", "drafter")
 """Kinds of job process: dflash.train (target and drafter in one process), a pipeline target worker,
-a pipeline drafter worker (dflash.launch runs them under torchrun)."""
+a pipeline drafter worker (dflash.pipeline.supervisor runs them under torchrun)."""
 
 PIPELINE_DRAFTER_THREADS = 1
 """Intra-op threads of a pipeline drafter when OMP_NUM_THREADS is not set: the launcher runs targets
@@ -243,7 +211,7 @@ class CompileContext:
 
 def compile_contexts(cfg: JobConfig, part: str, device: torch.device) -> list[CompileContext]:
     """Every distinct way the job's processes compile `part` ("drafter" or "target") on `device`: the
-    single-process job and the pipeline's worker of that part. dflash.warm compiles each of them.
+    single-process job and the pipeline's worker of that part. dflash.cache.warm compiles each of them.
 
     Thread counts only tell contexts apart on the CPU (graphs of CUDA tensors are not keyed on them)."""
     if part not in ("drafter", "target"):
@@ -256,3 +224,33 @@ def compile_contexts(cfg: JobConfig, part: str, device: torch.device) -> list[Co
     for c in candidates:
         distinct.setdefault((c.threads if device.type == "cpu" else None, c.ddp), c)
     return list(distinct.values())
+
+
+def worker_devices(cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(target devices, local drafter devices) of one host: the config's lists, or by default targets
+    on the first GPUs and drafters on the ones after them. The launcher places targets and each
+    drafter rank takes entry [local_rank] from the same answer."""
+    import torch
+
+    p = cfg.pipeline
+    cuda = cfg.run.device in ("cuda", "auto") and torch.cuda.is_available()
+    n = torch.cuda.device_count() if cuda else 0
+    targets = p.target_devices or [f"cuda:{i % n}" if cuda else "cpu" for i in range(p.targets)]
+    drafters = p.drafter_devices or [
+        f"cuda:{(p.targets + i) % n}" if cuda else "cpu" for i in range(p.drafters)
+    ]
+    if len(targets) != p.targets:
+        raise DFlashError(
+            f"pipeline.target_devices lists {len(targets)} devices for {p.targets} targets; list one device "
+            "per target worker, or change pipeline.targets"
+        )
+    if len(drafters) != p.drafters:
+        raise DFlashError(
+            f"pipeline.drafter_devices lists {len(drafters)} devices for {p.drafters} drafters; list one "
+            "device per drafter worker, or change pipeline.drafters"
+        )
+    return targets, drafters
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dflash.triton_jit import jit_per_mode, on_kernel_device
+from dflash.step.triton_jit import jit_per_mode, on_kernel_device
 
 BLOCK = 1024
 """Elements per program. bench/optimizer.py --sweep on the H200 (2026-12-02, the 8B drafter's 1.05 G

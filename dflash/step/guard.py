@@ -35,7 +35,7 @@ _RECOMPILE_LIMIT_LOG = "torch._dynamo hit config."
 
 ADVICE = {
     UNFUSED_FLEX: "flex attention ran unfused (no torch.compile): set attention.compile = true, or use "
-    "attention.backend = sdpa; never call flex outside dflash.attention.flex",
+    "attention.backend = sdpa; never call flex outside dflash.step.attention.flex",
     RECOMPILE_LIMIT: "dynamo stopped compiling after too many recompiles and now runs eagerly: too many distinct "
     "shapes reach the compiled code; raise data.bucket_multiple (fewer length buckets) or fix the recompile "
     "reason (run with TORCH_LOGS=recompiles)",

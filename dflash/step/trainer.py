@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,8 +19,11 @@ from torch import nn
 from torch.profiler import record_function
 
 from dflash.errors import DFlashError
-from dflash.model import DFlashDrafter, DrafterSpec
-from dflash.objective import (
+from dflash.plan.builder import JobPlan, build_plan
+from dflash.plan.resolve import torch_dtype
+from dflash.plan.shapes import ShapePlan, apply_recompile_limit
+from dflash.step.model import DFlashDrafter, DrafterSpec
+from dflash.step.objective import (
     LossOutput,
     block_labels,
     dflash_loss,
@@ -28,12 +32,11 @@ from dflash.objective import (
     sample_anchors,
     trained_count,
 )
-from dflash.optim_kernel import KernelAdamW
-from dflash.plan import JobPlan, build_plan
-from dflash.shapes import ShapePlan, apply_recompile_limit
+from dflash.step.optim_kernel import KernelAdamW
 
 if TYPE_CHECKING:
     from dflash.config import JobConfig
+    from dflash.rundir import RunDir
 
 
 def pad_rows(
@@ -80,7 +83,7 @@ def ddp_backend(device: torch.device) -> str:
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """The drafter as a rank of a data-parallel group runs it. The wrapper is compile-relevant: dynamo's
     DDPOptimizer splits every compiled layer that runs inside it at gradient-bucket boundaries, so
-    dflash.warm wraps with this same function (in a group of one) to compile those graphs too."""
+    dflash.cache.warm wraps with this same function (in a group of one) to compile those graphs too."""
     if device.type != "cuda":
         return nn.parallel.DistributedDataParallel(model)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -225,7 +228,7 @@ class DrafterTrainer:
         plan: JobPlan | None = None,
         model: DFlashDrafter | None = None,
     ) -> None:
-        """plan: the job's plan (dflash.plan), for `device`; None builds it here from the config.
+        """plan: the job's plan (dflash.plan.builder), for `device`; None builds it here from the config.
         model: the drafter already built on the host by build_drafter (a spare drafter process,
         dflash.pipeline.spare, builds it before it is needed); None builds it here."""
         self.cfg, self.spec, self.device = cfg, spec, device
@@ -242,7 +245,7 @@ class DrafterTrainer:
         # Before DDP sees the parameters: its gradient buckets take their dtype.
         self.masters = bf16_working_weights(model) if self.bf16_weights else {}
         # Every compiled part of this process (the drafter's layers; the target's too in the
-        # single-process job and in warm): the plan's graphs, nothing else (dflash.shapes).
+        # single-process job and in warm): the plan's graphs, nothing else (dflash.plan.shapes).
         apply_recompile_limit(self.plan)
         apply_compile(model, cfg)
         self.model = model
@@ -250,7 +253,7 @@ class DrafterTrainer:
         self.params = params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
         adamw = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
-        # On the GPU, torch's fused AdamW with the update as dflash.optim_kernel's kernel (the same
+        # On the GPU, torch's fused AdamW with the update as dflash.step.optim_kernel's kernel (the same
         # state and state_dict, 29.4 instead of 33.6 GB of memory traffic per 8B step).
         self.optimizer: torch.optim.Optimizer = (
             KernelAdamW(params, masters=self.masters, **adamw)
@@ -523,3 +526,190 @@ class Meter:
         self.loss_sum = self.acc_sum = 0.0
         self.acc_pos_sum, self.acc_pos_n = [], []
         return rec
+
+
+@dataclass
+class CompileTracker:
+    """Turns compile activity into events: `compiled` (seconds, hits, misses) for each step that
+    compiled, and `cache_miss` when a warm cache was expected (DFLASH_EXPECT_WARM_CACHE=1) but
+    inductor compiled cold."""
+
+    run: RunDir
+    worker: str
+    seen_shapes: set[tuple[int, ...]] = field(default_factory=set)
+
+    def is_new(self, shape: tuple[int, ...]) -> bool:
+        return shape not in self.seen_shapes
+
+    def around_step(self, shape: tuple[int, ...], seconds: float, before: dict[str, int]) -> None:
+        from dflash.cache.job_side import compiled_event, counters_delta, expect_warm
+        from dflash.step.guard import compile_counters
+
+        if shape in self.seen_shapes:
+            return
+        self.seen_shapes.add(shape)
+        delta = counters_delta(before, compile_counters())
+        if not any(delta.values()):
+            return
+        self.run.event("compiled", **compiled_event(seconds, delta, worker=self.worker, shape=list(shape)))
+        miss = expect_warm(delta, worker=self.worker, shape=list(shape))
+        if miss is not None:
+            self.run.event("cache_miss", **miss)
+
+
+class DrafterSide:
+    """A drafter worker's state: the trainer, kernel guard, compile tracking, checkpoints, metrics."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run: RunDir,
+        target_path: str,
+        mask_token_id: int,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        worker: str = "drafter-0",
+        mark: Callable[[str], None] = lambda phase: None,
+        built: Any = None,
+        plan: Any = None,
+    ) -> None:
+        """mark(phase) is called as each part of the start ends (the `generation_start` event's
+        phases: frozen_head_load, model_build). built: what a spare drafter process made ahead
+        (dflash.pipeline.spare.Built: the frozen embedding and head and the drafter, on the host or
+        already on `device`), used instead of loading and building them again. plan: the job's plan
+        (dflash.plan.builder) for `device` where the caller built it; None builds it here."""
+        from dflash.plan.builder import build_plan
+        from dflash.step.guard import KernelGuard
+        from dflash.target import load_frozen_head
+
+        self.cfg, self.run, self.device, self.rank, self.worker = cfg, run, device, rank, worker
+        if built is None:
+            embed, head, target_config = load_frozen_head(
+                target_path, dtype=torch_dtype(cfg.target.dtype), device=device
+            )
+            mark("frozen_head_load")
+            job = plan or build_plan(
+                cfg,
+                device=device,
+                target_config=target_config,
+                mask_token_id=mask_token_id,
+                target_path=target_path,
+            )
+            model = None
+        else:
+            embed, head, model = built.embed, built.head, built.model
+            job = plan or build_plan(cfg, device=device, spec=built.spec, target_path=target_path)
+        self.job_plan = job
+        self.spec = job.spec
+        self.plan = job.shapes
+        self.trainer = DrafterTrainer(
+            cfg,
+            self.spec,
+            embed,
+            head,
+            device,
+            rank=rank,
+            world_size=world_size,
+            plan=job,
+            model=model,
+        )
+        mark("model_build")
+        self.guard = KernelGuard(self._on_degraded, strict=job.attention.strict)
+        self.guard.__enter__()
+        self.compiles = CompileTracker(run, worker)
+        self.ahead = StepAhead(self.trainer, drain=self.due_checkpoint)
+        self.resumed_from: int | None = None
+        self.data_state: dict[str, Any] | None = None
+
+    def _on_degraded(self, kind: str, detail: str) -> None:
+        self.run.event("degraded", worker=self.worker, kind=kind, detail=detail)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Weights, optimizer, scheduler and step from a checkpoint; returns its saved state."""
+        from dflash.checkpoint import load_checkpoint
+
+        weights, hf_config, state = load_checkpoint(path, map_location=self.device)
+        saved = {k: v for k, v in hf_config.items() if k != "torch_dtype"}
+        current = self.spec.to_hf_config()
+        differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        if differ:
+            # Same tensor shapes can still mean another drafter (other target layers, mask token,
+            # layer types): resuming would silently train a different model.
+            raise DFlashError(
+                f"checkpoint {path} is of a different drafter than this config resolves to "
+                f"(differs in: {', '.join(differ)}); resume with the config it was trained with, "
+                "or start a new --run-dir"
+            )
+        self.trainer.load_state_dict(state["trainer"], weights)
+        self.resumed_from = self.trainer.step
+        return state
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint, if any (torn ones are reported and skipped)."""
+        from dflash.checkpoint import find_latest, set_rng_state
+
+        found = find_latest(self.run.checkpoints)
+        for p in found.torn:
+            if self.rank == 0:
+                self.run.event(
+                    "checkpoint_skipped", path=str(p), reason="incomplete (torn) checkpoint ignored"
+                )
+        if found.path is None:
+            return
+        state = self.load(found.path)
+        rngs = state.get("rng", {})
+        if str(self.rank) in rngs:
+            set_rng_state(rngs[str(self.rank)])
+        self.data_state = state.get("data", {}).get(str(self.rank))
+
+    def push(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        seq_lens: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        tag: Any = None,
+    ) -> list[tuple[Any, Any]]:
+        """Queue a training step; returns the steps read back by now, oldest first, with their tags
+        (dflash.step.trainer.StepAhead: one step stays queued ahead; checkpoint and last steps are read
+        by the push that queued them)."""
+        from dflash.step.guard import compile_counters
+
+        shape = tuple(input_ids.shape)
+        new = self.compiles.is_new(shape)
+        before = compile_counters() if new else {}
+        done = self.ahead.push(input_ids, loss_mask, seq_lens, hidden, tag=tag, read_now=new)
+        if new and self.ahead.read_now_result is not None:  # also when a drain returned it already
+            self.compiles.around_step(shape, self.ahead.read_now_result.seconds, before)
+        self.guard.check()
+        return done
+
+    def flush(self) -> list[tuple[Any, Any]]:
+        """Read back the step still queued, if any (input ran dry, or the loop is about to stop)."""
+        return self.ahead.flush()
+
+    def due_checkpoint(self, step: int) -> bool:
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.total_steps
+
+    def checkpoint(self, data_states: dict[str, Any], rng_states: dict[str, Any]) -> None:
+        from dflash.checkpoint import save_checkpoint
+
+        t0 = time.time()
+        state = {"trainer": self.trainer.state_dict(), "data": data_states, "rng": rng_states}
+        path = save_checkpoint(
+            self.run.checkpoints,
+            self.trainer.step,
+            weights=self.trainer.weights(),
+            hf_config=self.spec.to_hf_config(),
+            trainer_state=state,
+            keep_last=self.cfg.train.keep_last,
+        )
+        self.run.event(
+            "checkpoint", step=self.trainer.step, path=str(path), seconds=round(time.time() - t0, 3)
+        )
+
+    def close(self) -> None:
+        self.guard.__exit__(None, None, None)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from dflash.attention.mask import dense_mask, layer_masks
+from dflash.step.attention.mask import dense_mask, layer_masks
 
 
 class EagerBackend:

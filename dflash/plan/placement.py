@@ -6,7 +6,7 @@ Placement rules (the config's pipeline.target_devices / drafter_devices, or thei
   - every device index exists on this host;
   - a target and a drafter may share a GPU only when the memory record says both fit.
 
-The memory record is what `dflash.warm` measured: the peak device memory of every planned shape
+The memory record is what `dflash.cache.warm` measured: the peak device memory of every planned shape
 (the drafter's train step; the target's forward when target.compile is on), kept in warm.json,
 the artifact's manifest and, after `dflashctl cache restore`, the restored cache's artifact.json.
 """
@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from dflash.errors import ConfigError, DFlashError
 
@@ -260,7 +262,7 @@ def host_devices() -> tuple[int | None, dict[int, int]]:
 
 def restored_memory(cache_dir: Path | None) -> dict[str, Any] | None:
     """The memory record of the artifact a restored cache dir came from, if it has one."""
-    from dflash.compile_cache import restored_artifact
+    from dflash.cache.job_side import restored_artifact
 
     art = restored_artifact(cache_dir)
     memory = art.get("memory") if art else None
@@ -273,7 +275,7 @@ def preflight(cfg: JobConfig, targets: list[str], drafters: list[str], target_pa
     problem (a ConfigError or MemoryPlanError naming the key or shape and what to change)."""
     import os
 
-    from dflash.compile_cache import CACHE_DIR_ENV
+    from dflash.cache.job_side import CACHE_DIR_ENV
 
     names = device_name_problems(targets, drafters)
     if names:
@@ -295,120 +297,47 @@ def preflight(cfg: JobConfig, targets: list[str], drafters: list[str], target_pa
         raise problems[0]
 
 
-SPARE_CONTEXT_BYTES = 1 << 30
-"""What a host-mode spare drafter holds on its GPU: a CUDA context and the loaded kernel modules
-(an allowance, not a measurement of this job)."""
+def slot_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
+    """The largest batch the targets can publish: each length bucket pads to a fixed row count."""
+    if cfg.pipeline.slot_mb:
+        return cfg.pipeline.slot_mb << 20
+    return _largest_batch_bytes(cfg, features, elem_bytes)
 
 
-@dataclass(frozen=True, slots=True)
-class SparePlan:
-    """pipeline.spare_drafters resolved for this host (dflash.pipeline.spare): one spare per local
-    drafter rank, in `mode` (off, host or graphs), each holding host_bytes of host memory and
-    gpu_bytes on its rank's GPU while it waits."""
+def _largest_batch_bytes(cfg: JobConfig, features: int, elem_bytes: int) -> int:
+    """Bytes of the largest planned batch in the transport, with its headers and alignment."""
+    from dflash.plan.shapes import shape_plan
 
-    mode: str
-    why: str
-    host_bytes: int
-    gpu_bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "why": self.why,
-            "host_bytes": self.host_bytes,
-            "gpu_bytes": self.gpu_bytes,
-        }
+    largest = max(
+        (s.rows * s.length * (features * elem_bytes + 8 + 1) + s.rows * 8 for s in shape_plan(cfg).shapes),
+        default=0,
+    )
+    return largest + (1 << 16)
 
 
-def _spare_refused(cfg: JobConfig, mode: str, why: str) -> ConfigError:
-    return ConfigError(
-        "pipeline.spare_drafters",
-        f"= {mode}: {why}. Set pipeline.spare_drafters = auto (the mode that fits) or off (a new drafter "
-        "generation then starts from nothing: imports, CUDA, frozen head, model build, graphs)",
+def slot_problem(cfg: JobConfig, features: int, elem_bytes: int) -> str | None:
+    """Why a set pipeline.slot_mb cannot hold the largest batch (the targets would fail at their first
+    such batch, long after the start); None when it is 0 (derived) or large enough."""
+    if not cfg.pipeline.slot_mb:
+        return None
+    need = _largest_batch_bytes(cfg, features, elem_bytes)
+    if cfg.pipeline.slot_mb << 20 >= need:
+        return None
+    return (
+        f"pipeline.slot_mb ({cfg.pipeline.slot_mb} MiB) is smaller than the largest hidden-state batch "
+        f"this config makes ({need / 2**20:.1f} MiB); raise it, or set 0 to derive it"
     )
 
 
-def spare_plan(
-    cfg: JobConfig,
-    targets: list[str],
-    drafters: list[str],
-    *,
-    host_bytes: int,
-    mem_available: int | None,
-    totals: dict[int, int],
-    record: dict[str, Any] | None,
-    target_path: str | None = None,
-) -> SparePlan:
-    """The spares' mode and cost, or the refusal (a ConfigError naming pipeline.spare_drafters) of a
-    mode asked for that does not fit. host_bytes: one spare's drafter (float32) and frozen embedding
-    and head on the host; mem_available: the host's MemAvailable (None: not known)."""
-    from dflash.resolve import drafter_world
-
-    want = cfg.pipeline.spare_drafters
-    if want == "off":
-        return SparePlan("off", "pipeline.spare_drafters = off", 0, 0)
-    n = len(drafters)
-    if mem_available is not None and n * host_bytes > mem_available:
-        why = (
-            f"{n} spare(s) need {_gib(n * host_bytes)} of host memory (the drafter in float32 and the "
-            f"frozen embedding and head, each), and the host has {_gib(mem_available)} available"
-        )
-        if want == "auto":
-            return SparePlan("off", why, 0, 0)
-        raise _spare_refused(cfg, want, why)
-    world = drafter_world(cfg)
-    cuda = [i for d in drafters if (i := cuda_index(d)) is not None]
-    drafter = worst(record, "drafter") if record else None
-    target = worst(record, "target") if record else None
-    target_bytes = target[1] if target else target_weight_bytes(target_path)
-    headroom = int(cfg.run.memory_headroom_gb * GIB)
-
-    def beside(i: int) -> int:
-        """What the drafter and the targets of cuda:i take (0 without a memory record)."""
-        on_i = sum(1 for d in targets if cuda_index(d) == i)
-        return (drafter[1] if drafter else 0) + target_bytes * on_i
-
-    graphs_why = ""
-    if world > 1:
-        graphs_why = f"a group of {world} ranks compiles under DDP, whose graphs a spare of one process cannot load ahead"
-    elif cuda and drafter is None:
-        graphs_why = (
-            "no memory record (warm-cache's) to size its warm-up step by: warm or restore the compile cache"
-        )
-    elif cuda and drafter is not None:
-        for i in cuda:
-            total = totals.get(i)
-            if total is None or beside(i) + drafter[1] > total - headroom:
-                graphs_why = (
-                    f"its warm-up step needs a second {_gib(drafter[1])} (the drafter's shape {drafter[0]}, "
-                    f"measured by warm-cache) on cuda:{i}, beside {_gib(beside(i))} of the drafter and "
-                    f"targets, of {_gib(total or 0)} less run.memory_headroom_gb"
-                )
-                break
-    if want == "graphs" and graphs_why:
-        raise _spare_refused(cfg, want, graphs_why)
-    if want == "graphs" or (want == "auto" and not graphs_why):
-        why = "its graphs loaded ahead: " + ("host memory" if not cuda else "a second step's memory fits")
-        gpu = drafter[1] if (cuda and drafter) else 0
-        return SparePlan("graphs", why, 0 if cuda else host_bytes, gpu)
-    gpu = SPARE_CONTEXT_BYTES if cuda else 0
-    for i in cuda:
-        total = totals.get(i)
-        if total is not None and drafter is not None and beside(i) + gpu > total - headroom:
-            why = (
-                f"its CUDA context ({_gib(gpu)}) does not fit cuda:{i} beside {_gib(beside(i))} of the "
-                f"drafter and targets, of {_gib(total)} less run.memory_headroom_gb"
-            )
-            if want == "auto":
-                return SparePlan("off", why, 0, 0)
-            raise _spare_refused(cfg, want, why)
-    why = "pipeline.spare_drafters = host" if want == "host" else f"host only: {graphs_why}"
-    return SparePlan("host", why, host_bytes, gpu)
+def gpu_mem_gb(device: torch.device, worker: str) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {worker: round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
 
 
-def spare_host_bytes(spec: Any, frozen_elem_bytes: int) -> int:
-    """One spare's host memory: the drafter's trainable weights in float32 and the frozen embedding
-    and head (two matrices, an upper bound for a tied target)."""
-    from dflash.pipeline.state_copy import copy_nbytes
-
-    return copy_nbytes(spec) // 3 + 2 * spec.vocab_size * spec.hidden_size * frozen_elem_bytes
+def alloc_retries(device: torch.device) -> dict[str, int]:
+    """The caching allocator's retries on a CUDA device (a cudaMalloc that failed, the cache freed,
+    and tried again): a count that grows is memory pressure. Empty off CUDA. A heartbeat field."""
+    if device.type != "cuda":
+        return {}
+    return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}

@@ -2,7 +2,7 @@
 
 Records are `{"text": str}` (loss on every token), `{"messages": [{"role", "content"}, ...]}` (loss on
 assistant content only) or `{"input_ids": [int, ...], "loss_mask": [0|1, ...]}` (token ids as they are,
-loss where the mask is 1; dflash.responses writes these: the exact tokens the target said, which a
+loss where the mask is 1; dflash.data.responses writes these: the exact tokens the target said, which a
 decode and re-encode would not always give back). A record that fails anywhere on its way to token ids (not UTF-8, not JSON,
 an integer past Python's digit limit, nesting past the recursion limit, wrong types, text the
 tokenizer rejects such as a lone surrogate) is skipped, counted by reason and logged with file:line;
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dflash.data.tokenizer import RecordError, Tokenizer, lone_surrogate
 from dflash.errors import DFlashError
+from dflash.plan.shapes import ShapePlan, round_up
 from dflash.rundir import atomic_write_bytes, unusable_reason
-from dflash.shapes import ShapePlan, round_up
-from dflash.tokenizer import RecordError, Tokenizer, lone_surrogate
 
 if TYPE_CHECKING:
     from dflash.config import DataConfig
@@ -239,7 +239,7 @@ def _skip(
 
 
 def source_records(path: Path, cfg: DataConfig, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The records of a data file that parse, in order: what dflash.responses takes its prompts
+    """The records of a data file that parse, in order: what dflash.data.responses takes its prompts
     from. The others are skipped, logged and counted as training's reader does, and a file of mostly
     bad records is refused alike (data.max_bad_fraction)."""
     if not path.is_file():
@@ -384,7 +384,7 @@ def load_dataset(
     demo corpus under cache_root first. Raises DFlashError when nothing usable is left."""
     cache_root = Path(cache_root)
     if cfg.path == "demo":
-        from dflash.demo import write_demo_corpus
+        from dflash.data.demo import write_demo_corpus
 
         try:
             path = write_demo_corpus(cache_root / "demo-corpus.jsonl")
@@ -464,7 +464,7 @@ class Batch:
 class TokenBudgetBatcher:
     """Endless batches: per epoch the samples are permuted (seed + epoch), each goes to the bucket of its
     length rounded up to bucket_multiple, and a bucket is emitted once it holds as many rows as fit
-    (the shape plan's rows for that bucket, dflash.shapes); leftovers close the epoch as smaller batches.
+    (the shape plan's rows for that bucket, dflash.plan.shapes); leftovers close the epoch as smaller batches.
     The epoch's global batch list is the same on every rank; rank r takes batches r, r+W, ... and the
     last (< W) batches are dropped so that every rank runs the same number of steps."""
 

@@ -22,7 +22,7 @@ def tiny_target_dir(cfg: JobConfig) -> Path:
 
 def tiny_target_built(cfg: JobConfig) -> bool:
     """`tiny` and already built under the runs root (read only)."""
-    from dflash.demo import tiny_target_ready
+    from dflash.data.demo import tiny_target_ready
 
     return cfg.target.path == "tiny" and tiny_target_ready(
         tiny_target_dir(cfg), layers=cfg.target.tiny_layers, hidden=cfg.target.tiny_hidden, seed=cfg.run.seed
@@ -33,7 +33,7 @@ def locate_target(cfg: JobConfig) -> str:
     """`tiny` builds (once) a tiny random Qwen3 under the runs root and returns its directory."""
     if cfg.target.path != "tiny":
         return cfg.target.path
-    from dflash.demo import make_tiny_target
+    from dflash.data.demo import make_tiny_target
 
     path = tiny_target_dir(cfg)
     try:
@@ -55,7 +55,7 @@ def _runs_root_error(cfg: JobConfig, what: str, path: Path, e: OSError) -> DFlas
 def locate_data(cfg: JobConfig) -> str:
     if cfg.data.path != "demo":
         return cfg.data.path
-    from dflash.demo import write_demo_corpus
+    from dflash.data.demo import write_demo_corpus
 
     path = Path(cfg.run.runs_root) / ".demo" / "corpus.jsonl"
     if not path.exists():
@@ -68,7 +68,7 @@ def locate_data(cfg: JobConfig) -> str:
 
 def open_target(cfg: JobConfig) -> tuple[str, Any, int]:
     """(target directory, tokenizer, mask token id): what the drafter side needs, without the data."""
-    from dflash.tokenizer import load_tokenizer, require_mask_token
+    from dflash.data.tokenizer import load_tokenizer, require_mask_token
 
     target_path = locate_target(cfg)
     tok = load_tokenizer(cfg.data.tokenizer, target_path)

@@ -2,15 +2,15 @@
 
     plan = build_plan(cfg, target_config=..., mask_token_id=..., target_path=...)
 
-One function (build_plan) asks every resolver (dflash.resolve, dflash.spec, dflash.shapes,
-dflash.pipeline.worker_devices) and returns a frozen JobPlan: the device, the attention plan (the
+One function (build_plan) asks every resolver (dflash.plan.resolve, dflash.plan.spec, dflash.plan.shapes,
+dflash.plan.resolve.worker_devices) and returns a frozen JobPlan: the device, the attention plan (the
 backend and its kernel choices as one object), kernel strictness, the loss and precision choices,
 the target's compile, the drafter's resolved sizes, the shape plan and its recompile limit, where
 each worker runs, and whether the job measures tau. `python -m dflash.check --json` prints it
 (`plan`); two plans compare whole (tests/dflash/test_plan.py).
 
-Light, as dflash.resolve is: no transformers import, no model, no data. The drafter's sizes need
-the target's config (an object with its sizes, as transformers' or dflash.demo's tiny one) and the
+Light, as dflash.plan.resolve is: no transformers import, no model, no data. The drafter's sizes need
+the target's config (an object with its sizes, as transformers' or dflash.data.demo's tiny one) and the
 mask token (the tokenizer's, or drafter.mask_token_id); without them the plan has no `spec`.
 """
 
@@ -24,13 +24,13 @@ import torch
 
 if TYPE_CHECKING:
     from dflash.config import JobConfig
-    from dflash.shapes import ShapePlan
-    from dflash.spec import DrafterSpec
+    from dflash.plan.shapes import ShapePlan
+    from dflash.plan.spec import DrafterSpec
 
 
 def compiled(how: bool | Callable[[Any], Any] = True) -> Any:
     """A plan field's mark: whether (True), or in which form (a function of the value), it decides
-    what inductor compiles, so the compile cache's key holds it (compile_part, dflash.fingerprint).
+    what inductor compiles, so the compile cache's key holds it (compile_part, dflash.cache.fingerprint).
     Every field carries one: a field that decides compiled code cannot be left out by forgetting."""
     return field(metadata={"compiled": how})
 
@@ -118,7 +118,7 @@ class JobPlan:
 
     @property
     def recompile_limit(self) -> int:
-        """dynamo's recompile limit: exactly the graphs the shape plan compiles (dflash.shapes)."""
+        """dynamo's recompile limit: exactly the graphs the shape plan compiles (dflash.plan.shapes)."""
         return self.shapes.recompile_limit
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,8 +155,7 @@ def build_plan(
     the target's directory, whose config.json counts the compiled target's layer types; spec: the
     drafter's sizes where the caller resolved them already (a spare drafter, a trainer). A choice
     the machine cannot run raises ConfigError naming its key."""
-    from dflash.pipeline import worker_devices
-    from dflash.resolve import (
+    from dflash.plan.resolve import (
         drafter_world,
         resolve_backend,
         resolve_bf16_weights,
@@ -167,9 +166,10 @@ def build_plan(
         resolve_strict,
         resolve_target_compile,
         resolve_tau_eval,
+        worker_devices,
     )
-    from dflash.shapes import shape_plan
-    from dflash.spec import resolve_spec
+    from dflash.plan.shapes import shape_plan
+    from dflash.plan.spec import resolve_spec
 
     device = device if device is not None else resolve_device(cfg)
     if spec is None and target_config is not None and mask_token_id is not None:
@@ -212,7 +212,7 @@ def plan_problems(cfg: JobConfig, *, head_dim: int | None = None) -> tuple[torch
     """(the job's device or None, every ConfigError of the choices build_plan makes on this machine),
     each resolver asked on its own so that one refusal does not hide the next (dflash.check)."""
     from dflash.errors import ConfigError
-    from dflash.resolve import (
+    from dflash.plan.resolve import (
         resolve_backend,
         resolve_bf16_weights,
         resolve_device,

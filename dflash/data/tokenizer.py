@@ -47,7 +47,7 @@ def record_prompt(rec: Any, tok: Tokenizer, prompt_tokens: int) -> list[int] | N
     """The prompt a record gives, as token ids, or None: a `messages` record's turns before its last
     assistant turn with the assistant's turn opened (what a served model is given to answer), or a
     `text` record's first prompt_tokens tokens. The one rule for the target's responses
-    (dflash.responses) and for the eval's prompts (dflash.eval), so both ask the target alike."""
+    (dflash.data.responses) and for the eval's prompts (dflash.eval), so both ask the target alike."""
     if not isinstance(rec, dict):
         return None
     if isinstance(rec.get("messages"), list):

@@ -1,6 +1,6 @@
 """The attention's q/k RMSNorm and rotary embedding as one Triton kernel, forward and backward.
 
-What it replaces (dflash.model.DrafterAttention, as Qwen3 computes it under autocast):
+What it replaces (dflash.step.model.DrafterAttention, as Qwen3 computes it under autocast):
     y = bf16(x * rsqrt(mean(x^2) + eps))     per head, x in float32 from the projection's bf16
     u = w * y                                 float32 (the norm's weight is float32)
     z = u * cos + rotate_half(u) * sin        float32 (cos, sin float32 in the job: the dtype of the
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dflash.triton_jit import interpreted, jit_per_mode, unit_stride_last
+from dflash.step.triton_jit import interpreted, jit_per_mode, unit_stride_last
 
 
 class Launch(NamedTuple):
@@ -56,10 +56,10 @@ spills (tests/dflash/test_qk_norm_rope.py keeps it so)."""
 
 @jit_per_mode
 def _kernels() -> Any:
-    """(forward, backward): dflash.attention.qk_norm_rope_kernels, loaded afresh for this mode."""
+    """(forward, backward): dflash.step.attention.qk_norm_rope_kernels, loaded afresh for this mode."""
     path = Path(__file__).with_name("qk_norm_rope_kernels.py")
     spec = importlib.util.spec_from_file_location(
-        f"dflash.attention.qk_norm_rope_kernels_{interpreted()}", path
+        f"dflash.step.attention.qk_norm_rope_kernels_{interpreted()}", path
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -199,3 +199,10 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
 
 
 qk_norm_rope.register_autograd(_backward, setup_context=_setup)
+
+
+def fused_qk_head_dim_problem(head_dim: int) -> str | None:
+    """Why dflash's q/k kernel cannot take this head dim (None: it can)."""
+    if head_dim_supported(head_dim):
+        return None
+    return f"needs a power-of-two head_dim (4 or more); this drafter's is {head_dim}: set it false or auto"
