@@ -19,6 +19,7 @@ from runner.exec import remote
 from runner.exec.jobenv import job_image
 from runner.launch import foreground
 from runner.launch.apply import apply, wait_started
+from runner.launch.backend import get as get_backend
 from runner.launch.plan import BACKENDS, Request, RunPlan, build_plan, new_run_id, shell_line
 from runner.launch.preflight import config_value, preflight
 from runner.launch.registry import Registry, check_name
@@ -37,13 +38,8 @@ def _render(plan: RunPlan) -> None:
         console.print(
             f"  cache     {hp.cache_action} {str(hp.cache_key)[:16]} at {hp.cache_dir}", highlight=False
         )
-        if hp.tmux_session:
-            console.print(f"  tmux      {hp.tmux_session}:{hp.tmux_window}", highlight=False)
-        if hp.container:
-            labels = " ".join(f"{k}={v}" for k, v in hp.labels.items())
-            console.print(f"  container {hp.container} (shm {hp.shm_bytes}) {labels}", highlight=False)
-            for m in hp.mounts:
-                console.print(f"  mount     {m.arg()}", highlight=False)
+        for label, value in get_backend(plan.backend).describe(hp):
+            console.print(f"  {label:<9} {value}", highlight=False)
         console.print(f"  command   {shell_line(hp, log=False)}", highlight=False, soft_wrap=True)
 
 
@@ -109,7 +105,7 @@ def register(app: typer.Typer) -> None:
                 remote.parse_host(h)  # every host refused here, before any probe of the first
             if not hosts:
                 _check_local_runs_root(runs_root or str(config_value(config, sets, "run.runs_root", "runs")))
-            img = job_image(image, variant) if backend == "docker" else image
+            img = job_image(image, variant) if get_backend(backend).in_container else image
             req = Request(
                 config=str(config),
                 backend=backend,
@@ -151,7 +147,7 @@ def register(app: typer.Typer) -> None:
             apply(plan, req, store=st, registry=Registry(), progress=say)
             if as_json:
                 typer.echo(json.dumps(plan.to_dict(), sort_keys=True))
-            if backend == "foreground":
+            if get_backend(backend).runs_here:
                 say(f"run {plan.run_id}: running in this terminal (Ctrl-C stops it with a checkpoint)")
                 code = foreground.run(plan.hosts)
             else:

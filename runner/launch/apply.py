@@ -17,8 +17,7 @@ from runner.cache.store import Store
 from runner.cache.warmrun import warm_cache
 from runner.errors import RunnerError
 from runner.exec import remote
-from runner.launch import docker as docker_backend
-from runner.launch import tmux
+from runner.launch import backend
 from runner.launch.plan import SUPERVISOR_LOG, HostPlan, Request, RunPlan
 from runner.launch.preflight import job_env
 from runner.launch.registry import HostRecord, Registry, RunRecord
@@ -116,10 +115,7 @@ def _place_cache(req: Request, hp: HostPlan, store: Store, progress: Callable[[s
 
 def _cleanup(plan: RunPlan, made: list[HostPlan], started: list[HostPlan], registry: Registry) -> None:
     for hp in started:
-        if hp.tmux_session:
-            tmux.kill(hp.host, hp.tmux_session)
-        if hp.container:
-            remote.run(hp.host, ["docker", "rm", "-f", hp.container], check=False, timeout=60)
+        backend.get(plan.backend).remove(hp)
     for hp in made:
         remote.run(hp.host, ["rm", "-rf", hp.run_dir], check=False, timeout=60)
     registry.remove(plan.run_id)
@@ -144,14 +140,11 @@ def apply(
             made.append(hp)
             _place_cache(req, hp, store, progress)
         registry.save(record)
-        if plan.backend == "foreground":
+        runs_in = backend.get(plan.backend)
+        if runs_in.runs_here:
             return record
         for hp in plan.hosts:
-            if plan.backend == "tmux":
-                tmux.start(hp)
-            else:
-                assert plan.image
-                docker_backend.start(hp, plan.image)
+            runs_in.start(hp, plan)
             started.append(hp)
             progress(f"started node {hp.node_rank} on {hp.host or 'this machine'}: {hp.run_dir}")
     except BaseException:
@@ -175,20 +168,12 @@ def wait_started(plan: RunPlan, *, timeout: float = 20.0) -> list[str]:
             view = read_run(RunLocation(hp.run_dir, hp.host))
             if view.running or view.stop_reason() is not None:
                 continue
-            if _backend_gone(plan, hp):
+            if backend.get(plan.backend).alive(hp) is False:
                 dead.append(f"node {hp.node_rank} on {hp.host or 'this machine'}")
             else:
                 still.append(hp)
         pending = still
     return dead
-
-
-def _backend_gone(plan: RunPlan, hp: HostPlan) -> bool:
-    if hp.tmux_session:
-        return not tmux.window_alive(hp.host, hp.tmux_session, hp.tmux_window)
-    if hp.container:
-        return docker_backend.state(hp.host, hp.container) not in ("running", "created")
-    return False
 
 
 def host_plan(rec: RunRecord, node_rank: int) -> HostPlan:
@@ -204,11 +189,4 @@ def host_plan(rec: RunRecord, node_rank: int) -> HostPlan:
 def relaunch(rec: RunRecord, node_rank: int) -> None:
     """Start a stopped run's supervisor again through its backend, on the same run directory: the
     job resumes from its newest checkpoint (the data position of each target included)."""
-    hp = host_plan(rec, node_rank)
-    if rec.backend == "tmux":
-        tmux.start(hp)
-    elif rec.backend == "docker":
-        assert hp.container
-        remote.run(hp.host, ["docker", "start", hp.container], timeout=120)
-    else:
-        raise RunnerError(f"{rec.run_id} ran in the foreground of another terminal: relaunch it there")
+    backend.of(rec.backend).relaunch(rec.run_id, host_plan(rec, node_rank))

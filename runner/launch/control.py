@@ -13,8 +13,7 @@ from typing import Any
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.exec.proc import ProcId
-from runner.launch import docker as docker_backend
-from runner.launch import tmux
+from runner.launch import backend
 from runner.launch.plan import SUPERVISOR_LOG
 from runner.launch.registry import HostRecord, RunRecord
 from runner.rundir import RunLocation, RunView, read_run, tail_argv, tau_series
@@ -74,11 +73,7 @@ def status(rec: RunRecord) -> RunStatus:
             continue
         views.append(view)
         state = view.state(started_at=rec.created_at)
-        if (
-            state == "starting"
-            and h.container
-            and docker_backend.state(h.host, h.container) not in ("running", "created")
-        ):
+        if state == "starting" and backend.of(rec.backend).alive(h) is False:
             state = "failed"
         states.append(state)
     state = next((s for s in _STATE_ORDER if s in states), "stale")
@@ -123,18 +118,12 @@ def recorded_processes(view: RunView, *, created_at: float | None = None) -> lis
     return [ids[p] for p in sorted(ids)]
 
 
-def pane_processes(h: HostRecord, view: RunView, *, created_at: float) -> list[ProcId]:
-    """The shell of the run's tmux window (the supervisor's parent), started after the run was
-    created: what a stop can still reach before the supervisor has recorded anything."""
-    if not h.tmux_session:
-        return []
-    target = f"={h.tmux_session}" + (f":{h.tmux_window}" if h.tmux_window else "")
-    proc = remote.run(
-        h.host, ["tmux", "list-panes", "-t", target, "-F", "#{pane_pid}"], check=False, timeout=60
-    )
-    made = created_at + view.clock_offset - CLOCK_MARGIN_S
-    pids = proc.stdout.decode().split() if proc.returncode == 0 else []
-    return [ProcId(int(p), made) for p in pids if p.isdigit()]
+def pane_processes(rec: RunRecord, h: HostRecord, view: RunView) -> list[ProcId]:
+    """What the backend started around the supervisor (a tmux pane's shell: its parent), started
+    after the run was created: what a stop can still reach before the supervisor has recorded
+    anything."""
+    made = rec.created_at + view.clock_offset - CLOCK_MARGIN_S
+    return [ProcId(p, made) for p in backend.of(rec.backend).launcher_pids(h)]
 
 
 def proc_tool(host: str | None, verb: list[str]) -> dict[str, Any]:
@@ -154,13 +143,11 @@ def alive_pids(host: str | None, ids: list[ProcId]) -> list[int]:
     return list(proc_tool(host, ["alive", _ids_json(ids)]).get("alive", []))
 
 
-def _kill_all(h: HostRecord, ids: list[ProcId]) -> None:
-    if h.container:
-        docker_backend.signal(h.host, h.container, "KILL")
-    if ids and not h.container:  # container pids are in the container's namespace: docker kill did it
+def _kill_all(rec: RunRecord, h: HostRecord, ids: list[ProcId]) -> None:
+    runs_in = backend.of(rec.backend)
+    if ids and not runs_in.in_container:  # a container's pids are its namespace's: kill(h) reaches them
         proc_tool(h.host, ["signal", "SIGKILL", _ids_json(ids)])
-    if h.tmux_session:
-        tmux.kill(h.host, h.tmux_session)
+    runs_in.kill(h)
 
 
 def _takes_sigterm(view: RunView) -> bool:
@@ -178,20 +165,17 @@ def _may_still_start(rec: RunRecord, h: HostRecord, view: RunView) -> bool:
     last = view.last_lifecycle()
     if last is not None and last.get("event") == "stopped":
         return False
-    if h.tmux_session:
-        return tmux.window_alive(h.host, h.tmux_session, h.tmux_window)
-    if h.container:
-        return docker_backend.state(h.host, h.container) in ("running", "created")
-    return view.state(started_at=rec.created_at) == "starting"
+    alive = backend.of(rec.backend).alive(h)
+    return alive if alive is not None else view.state(started_at=rec.created_at) == "starting"
 
 
-def _terminate(h: HostRecord, view: RunView, created_at: float) -> bool:
-    """SIGTERM to the host's supervisor, its identity checked first; whether it was sent."""
-    if h.container:
-        docker_backend.signal(h.host, h.container, "TERM")
+def _terminate(rec: RunRecord, h: HostRecord, view: RunView) -> bool:
+    """SIGTERM to the host's supervisor (through the backend where it holds it, else to the pid that
+    holds job.lock, its identity checked first); whether it was sent."""
+    if backend.of(rec.backend).signal(h, "TERM"):
         return True
     assert view.lock_pid is not None
-    sup = [p for p in recorded_processes(view, created_at=created_at) if p.pid == view.lock_pid]
+    sup = [p for p in recorded_processes(view, created_at=rec.created_at) if p.pid == view.lock_pid]
     return bool(proc_tool(h.host, ["signal-one", "SIGTERM", _ids_json(sup)]).get("signalled"))
 
 
@@ -246,7 +230,7 @@ def stop(
     def look(h: HostRecord) -> RunView:
         view = read_run(location(h))
         found = recorded_processes(view, created_at=rec.created_at)
-        found += pane_processes(h, view, created_at=rec.created_at)
+        found += pane_processes(rec, h, view)
         for p in found:
             known[h.node_rank].setdefault(p.pid, p)
         return view
@@ -262,7 +246,7 @@ def stop(
             for rank, h in list(pending.items()):
                 view = look(h)
                 if _takes_sigterm(view):
-                    (signalled if _terminate(h, view, rec.created_at) else missed).append(name[rank])
+                    (signalled if _terminate(rec, h, view) else missed).append(name[rank])
                     del pending[rank]
                 elif not _may_still_start(rec, h, view):
                     missed.append(name[rank])
@@ -288,7 +272,7 @@ def stop(
             h
             for h in rec.hosts
             if name[h.node_rank] in missed
-            and not h.container
+            and not backend.of(rec.backend).in_container
             and alive_pids(h.host, list(known[h.node_rank].values()))
         ]
         if pending or hosts:
@@ -300,17 +284,17 @@ def stop(
     if forced:
         for h in rec.hosts:
             look(h)
-            _kill_all(h, list(known[h.node_rank].values()))
+            _kill_all(rec, h, list(known[h.node_rank].values()))
     left: dict[str, list[int]] = {}
     settle = time.monotonic() + 30
     for h in rec.hosts:
         ids = list(known[h.node_rank].values())
         while True:
-            alive = [] if h.container else alive_pids(h.host, ids)
+            alive = [] if backend.of(rec.backend).in_container else alive_pids(h.host, ids)
             if not alive or time.monotonic() > settle:
                 break
             time.sleep(0.5)
-        if h.container and docker_backend.state(h.host, h.container) == "running":
+        if backend.of(rec.backend).in_container and backend.of(rec.backend).alive(h):
             alive = [-1]
         if alive:
             left[name[h.node_rank]] = alive
@@ -331,8 +315,9 @@ def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, f
     """argv that prints (and follows, until the run ends) a log of the run: the supervisor's by
     default, or a worker's."""
     if worker in (None, "supervisor"):
-        if h.container:
-            return docker_backend.logs_argv(h.host, h.container, lines=lines, follow=follow)
+        argv = backend.of(rec.backend).logs_argv(h, lines=lines, follow=follow)
+        if argv is not None:
+            return argv
         rel = SUPERVISOR_LOG
     else:
         if not all(c.isalnum() or c in "-_" for c in worker):
@@ -372,11 +357,4 @@ def log_names(h: HostRecord) -> list[str]:
 
 
 def attach_argv(rec: RunRecord, h: HostRecord) -> list[str]:
-    if rec.backend == "tmux" and h.tmux_session:
-        return tmux.attach_argv(h.host, h.tmux_session, h.tmux_window)
-    if rec.backend == "docker" and h.container:
-        return docker_backend.attach_argv(h.host, h.container)
-    raise RunnerError(
-        f"{rec.run_id} runs in the foreground of the terminal that started it: nothing to attach to; "
-        f"`dflashctl logs {rec.run_id} --follow` shows its output"
-    )
+    return backend.of(rec.backend).attach_argv(rec.run_id, h)

@@ -10,10 +10,14 @@ group and to `dflashctl watch`. Containers are kept after they exit, so `docker 
 
 from __future__ import annotations
 
+from typing import Any
+
 from runner.errors import RunnerError
 from runner.exec import docker as docker_cli
 from runner.exec import remote
-from runner.launch.plan import HostPlan
+from runner.launch.backend import Backend
+from runner.launch.plan import HostFacts, HostPlan, Mount
+from runner.launch.registry import backend_name
 
 DEFAULT_SHM = 1 << 30
 
@@ -85,3 +89,85 @@ def attach_argv(host: str | None, container: str) -> list[str]:
     return remote.remote_argv(
         host, ["docker", "attach", "--no-stdin", "--sig-proxy=false", container], tty=True
     )
+
+
+def mounts(hp: HostPlan, cfg: dict[str, Any], f: HostFacts) -> list[Mount]:
+    """Paths keep their names inside the container, so run.json, logs and the job agree on them."""
+    found = [
+        Mount(source=hp.runs_root, target=hp.runs_root),
+        Mount(source=hp.cache_dir, target=hp.cache_dir),
+    ]
+    for value in (cfg.get("target", {}).get("path"), cfg.get("data", {}).get("path")):
+        if isinstance(value, str) and value.startswith("/"):
+            found.append(Mount(source=value, target=value, read_only=True))
+    seen = {m.target for m in found}
+    return found + [m for m in f.extra_mounts if m.target not in seen]
+
+
+def labels(run_id: str, hp: HostPlan) -> dict[str, str]:
+    """The labels a run's containers carry: find_by_label finds them by the run id."""
+    return {
+        "io.dflash.run": run_id,
+        "io.dflash.role": "supervisor",
+        "io.dflash.host": hp.host or "local",
+        "io.dflash.node": str(hp.node_rank),
+    }
+
+
+class DockerBackend(Backend):
+    """`docker run -d` per host; the container is the handle, its labels find it again."""
+
+    name = "docker"
+    in_container = True
+    relaunchable = True
+
+    def require(self, host: str | None, req: Any, facts: Any) -> None:
+        assert req.image
+        require(host, req.image)
+        facts.image_id = docker_cli.image_id(host, req.image)
+
+    def name_host(self, hp: Any, *, run_id: str, facts: Any, config: dict[str, Any]) -> None:
+        hp.container = f"{backend_name(run_id)}-node{hp.node_rank}"
+        hp.labels = labels(run_id, hp)
+        hp.mounts = mounts(hp, config, facts)
+
+    def start(self, hp: Any, plan: Any) -> None:
+        assert plan.image
+        start(hp, plan.image)
+
+    def alive(self, h: Any) -> bool | None:
+        return state(h.host, h.container) in ("running", "created") if h.container else None
+
+    def signal(self, h: Any, sig: str) -> bool:
+        if not h.container:
+            return False
+        signal(h.host, h.container, sig)
+        return True
+
+    def kill(self, h: Any) -> None:
+        self.signal(h, "KILL")
+
+    def remove(self, h: Any) -> None:
+        if h.container:
+            remote.run(h.host, ["docker", "rm", "-f", h.container], check=False, timeout=60)
+
+    def logs_argv(self, h: Any, *, lines: int, follow: bool) -> list[str] | None:
+        return logs_argv(h.host, h.container, lines=lines, follow=follow) if h.container else None
+
+    def attach_argv(self, run_id: str, h: Any) -> list[str]:
+        if not h.container:
+            return super().attach_argv(run_id, h)
+        return attach_argv(h.host, h.container)
+
+    def relaunch(self, run_id: str, hp: Any) -> None:
+        assert hp.container
+        remote.run(hp.host, ["docker", "start", hp.container], timeout=120)
+
+    def describe(self, hp: Any) -> list[tuple[str, str]]:
+        tags = " ".join(f"{k}={v}" for k, v in hp.labels.items())
+        return [("container", f"{hp.container} (shm {hp.shm_bytes}) {tags}")] + [
+            ("mount", m.arg()) for m in hp.mounts
+        ]
+
+
+BACKEND = DockerBackend()

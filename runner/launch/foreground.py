@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 from runner.exec import remote
+from runner.launch.backend import Backend
 from runner.launch.plan import SUPERVISOR_LOG, HostPlan, shell_line
 
 
@@ -75,3 +76,14 @@ def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = N
             signal.signal(signal.SIGINT, old)
             signal.signal(signal.SIGTERM, old_term)
     return max(codes, key=abs) if codes else 0
+
+
+class ForegroundBackend(Backend):
+    """The supervisor in the launching terminal: `run` calls run() above; no handle is kept, so the
+    run directory and the recorded pids answer ps and stop."""
+
+    name = "foreground"
+    runs_here = True
+
+
+BACKEND = ForegroundBackend()

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import BadInput
-from runner.launch.registry import backend_name, check_name
+from runner.launch import backend
+from runner.launch.registry import check_name
 
-BACKENDS = ("tmux", "docker", "foreground")
+BACKENDS = backend.NAMES
 SUPERVISOR_LOG = "logs/supervisor.log"
 CONFIG_NAME = "config.toml"
 """The config as launched, copied into each host's run directory: the job reads this copy."""
@@ -86,10 +87,12 @@ class Request:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise BadInput(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
-        if self.backend == "docker" and not self.image:
-            raise BadInput("--backend docker needs --image REF or --variant V (an image to run)")
-        if self.image and self.backend != "docker":
-            raise BadInput(f"--image runs in a container: use --backend docker, not {self.backend}")
+        in_container = backend.get(self.backend).in_container
+        if in_container and not self.image:
+            raise BadInput(f"--backend {self.backend} needs --image REF or --variant V (an image to run)")
+        if self.image and not in_container:
+            boxed = " or ".join(n for n in BACKENDS if backend.get(n).in_container)
+            raise BadInput(f"--image runs in a container: use --backend {boxed}, not {self.backend}")
         for s in self.sets:
             if "=" not in s:
                 raise BadInput(f"--set {s!r}: use key=value, e.g. --set train.lr=1e-4")
@@ -216,17 +219,7 @@ def build_plan(req: Request, facts: list[HostFacts], *, run_id: str, config_name
             uid=f.uid,
             gid=f.gid,
         )
-        if req.backend == "tmux":
-            hp.tmux_session, hp.tmux_window = backend_name(run_id), f"node{rank}"
-        if req.backend == "docker":
-            hp.container = f"{backend_name(run_id)}-node{rank}"
-            hp.labels = {
-                "io.dflash.run": run_id,
-                "io.dflash.role": "supervisor",
-                "io.dflash.host": f.host or "local",
-                "io.dflash.node": str(rank),
-            }
-            hp.mounts = _docker_mounts(hp, first, f)
+        backend.get(req.backend).name_host(hp, run_id=run_id, facts=f, config=first)
         hosts.append(hp)
     warnings = [w["message"] for f in facts for w in f.check.get("warnings", []) if "message" in w]
     return RunPlan(
@@ -243,19 +236,6 @@ def build_plan(req: Request, facts: list[HostFacts], *, run_id: str, config_name
         hosts=hosts,
         warnings=warnings,
     )
-
-
-def _docker_mounts(hp: HostPlan, cfg: dict[str, Any], f: HostFacts) -> list[Mount]:
-    """Paths keep their names inside the container, so run.json, logs and the job agree on them."""
-    mounts = [
-        Mount(source=hp.runs_root, target=hp.runs_root),
-        Mount(source=hp.cache_dir, target=hp.cache_dir),
-    ]
-    for value in (cfg.get("target", {}).get("path"), cfg.get("data", {}).get("path")):
-        if isinstance(value, str) and value.startswith("/"):
-            mounts.append(Mount(source=value, target=value, read_only=True))
-    seen = {m.target for m in mounts}
-    return mounts + [m for m in f.extra_mounts if m.target not in seen]
 
 
 def shell_line(hp: HostPlan, *, log: bool) -> str:

@@ -25,8 +25,7 @@ from runner.errors import BadInput, RunnerError
 from runner.exec import docker as docker_cli
 from runner.exec import remote
 from runner.exec.jobenv import JobEnv, config_in_env, job_fingerprint
-from runner.launch import docker as docker_backend
-from runner.launch import tmux
+from runner.launch import backend
 from runner.launch.plan import HostFacts, Mount, Request, managed_cache_dir
 from runner.lock import read_lock
 from runner.tomlfile import read_toml, table
@@ -173,7 +172,7 @@ def _runs_root_set(req: Request, facts: HostFacts) -> list[str]:
     a runs root the host cannot write is refused here, not at the job's mkdir after launch. Not with
     docker: the check runs in a container that has no mount of it yet, and the runs root there is
     the host's directory, mounted at launch."""
-    if req.runs_root is None or req.backend == "docker":
+    if req.runs_root is None or backend.get(req.backend).in_container:
         return []
     base = facts.cwd if facts.host is None and facts.cwd else facts.home  # as build_plan resolves it
     root = req.runs_root if req.runs_root.startswith("/") else f"{base.rstrip('/')}/{req.runs_root}"
@@ -196,13 +195,9 @@ def preflight(
         if host is not None:
             remote.parse_host(host)
         facts = _host_basics(host)
-        if req.backend == "tmux":
-            tmux.require(host)
-        elif req.backend == "docker":
-            assert req.image
-            docker_backend.require(host, req.image)
-            facts.image_id = docker_cli.image_id(host, req.image)
-        if req.backend == "docker" and req.python:
+        runs_in = backend.get(req.backend)
+        runs_in.require(host, req, facts)
+        if runs_in.in_container and req.python:
             facts.extra_mounts = _venv_mounts(JobEnv(python=req.python, host=host))
         env = job_env(req, host, gpus=facts.has_gpus, mounts=facts.extra_mounts)
         facts.python = env.python

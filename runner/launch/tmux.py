@@ -3,9 +3,13 @@ supervisor; the supervisor's output also goes to logs/supervisor.log in the run 
 
 from __future__ import annotations
 
+from typing import Any
+
 from runner.errors import RunnerError
 from runner.exec import remote
+from runner.launch.backend import Backend
 from runner.launch.plan import HostPlan, shell_line
+from runner.launch.registry import backend_name
 
 
 def require(host: str | None) -> None:
@@ -51,3 +55,49 @@ def window_alive(host: str | None, session: str, window: str | None) -> bool:
         host, ["tmux", "list-windows", "-t", f"={session}", "-F", "#{window_name}"], check=False, timeout=60
     )
     return proc.returncode == 0 and (window is None or window in proc.stdout.decode().split())
+
+
+class TmuxBackend(Backend):
+    """One tmux session per run on each host, a window per host's supervisor."""
+
+    name = "tmux"
+    relaunchable = True
+
+    def require(self, host: str | None, req: Any, facts: Any) -> None:
+        require(host)
+
+    def name_host(self, hp: Any, *, run_id: str, facts: Any, config: dict[str, Any]) -> None:
+        hp.tmux_session, hp.tmux_window = backend_name(run_id), f"node{hp.node_rank}"
+
+    def start(self, hp: Any, plan: Any) -> None:
+        start(hp)
+
+    def alive(self, h: Any) -> bool | None:
+        return window_alive(h.host, h.tmux_session, h.tmux_window) if h.tmux_session else None
+
+    def kill(self, h: Any) -> None:
+        if h.tmux_session:
+            kill(h.host, h.tmux_session)
+
+    def launcher_pids(self, h: Any) -> list[int]:
+        if not h.tmux_session:
+            return []
+        target = f"={h.tmux_session}" + (f":{h.tmux_window}" if h.tmux_window else "")
+        proc = remote.run(
+            h.host, ["tmux", "list-panes", "-t", target, "-F", "#{pane_pid}"], check=False, timeout=60
+        )
+        return [int(p) for p in proc.stdout.decode().split() if p.isdigit()] if proc.returncode == 0 else []
+
+    def attach_argv(self, run_id: str, h: Any) -> list[str]:
+        if not h.tmux_session:
+            return super().attach_argv(run_id, h)
+        return attach_argv(h.host, h.tmux_session, h.tmux_window)
+
+    def relaunch(self, run_id: str, hp: Any) -> None:
+        start(hp)
+
+    def describe(self, hp: Any) -> list[tuple[str, str]]:
+        return [("tmux", f"{hp.tmux_session}:{hp.tmux_window}")]
+
+
+BACKEND = TmuxBackend()

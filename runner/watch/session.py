@@ -13,6 +13,7 @@ from typing import Any
 
 from runner.cache.store import default_store_root
 from runner.exec import remote
+from runner.launch import backend
 from runner.launch.apply import relaunch
 from runner.launch.control import proc_tool
 from runner.launch.registry import HostRecord, RunRecord
@@ -120,7 +121,7 @@ class WatchSession:
         def signal_host(sig: str, pid: int, started_at: float | None) -> None:
             proc_tool(h.host, signal_args(sig, pid, started_at))
 
-        can_relaunch = self.rec.backend in ("tmux", "docker") and bool(self.rec.plan)
+        can_relaunch = backend.of(self.rec.backend).relaunchable and bool(self.rec.plan)
         return Actor(
             self.policy,
             signal_host=signal_host,
