@@ -14,18 +14,15 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dflash.config import JobConfig, add_config_args, load_config
-from dflash.data.prepare import make_batcher, plan_job, prepare_data
 from dflash.errors import DFlashError
 from dflash.exiting import without_final_gc
-from dflash.plan.placement import gpu_mem_gb
-from dflash.plan.resolve import torch_dtype
 from dflash.rundir import Heartbeat, RunDir, format_status_line
-from dflash.step.trainer import DrafterSide
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +130,13 @@ class Job:
         apply_worker_threads(
             "train"
         )  # the thread count dflash.cache.warm compiled the single-process job under
+        # torch, the data and the models load here, not at import: --help and a bad config answer at once.
+        import torch
+
+        from dflash.data.prepare import make_batcher, plan_job, prepare_data
+        from dflash.plan.resolve import torch_dtype
+        from dflash.step.trainer import DrafterSide
+
         torch.manual_seed(cfg.run.seed)
         parts = prepare_data(cfg, run)
         plan = plan_job(cfg, parts)
@@ -177,6 +181,7 @@ class Job:
 
     def emit_metrics(self, meter: Any, *, step: int, q_pre: list[int], q_hs: list[int]) -> dict[str, Any]:
         """The status record; step: the last step read back (one more may be queued already)."""
+        from dflash.plan.placement import gpu_mem_gb
         from dflash.step.guard import compile_counters
 
         rec = meter.record(
