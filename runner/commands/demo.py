@@ -36,7 +36,7 @@ from runner.launch.apply import apply, wait_started
 from runner.launch.plan import HostPlan, Request, build_plan, new_run_id
 from runner.launch.preflight import preflight
 from runner.launch.registry import Registry
-from runner.rundir import RunLocation, append_event
+from runner.rundir import RunLocation, append_event, layout
 from runner.watch.actions import Policy
 from runner.watch.live import run_live
 from runner.watch.report import build_report, read_jsonl
@@ -162,7 +162,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"   report: {out}", highlight=False)
             console.print(f"   run directory: {hp.run_dir}   (dflashctl ps --all; dflashctl report {run_id})")
             recovered = any(
-                e.get("event") == "recovered" for e in read_jsonl(Path(hp.run_dir) / "events.jsonl")
+                e.get("event") == "recovered" for e in read_jsonl(Path(hp.run_dir) / layout.EVENTS)
             )
             if summary.stop_reason != "completed":
                 raise RunnerError(

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from runner.console import cli_errors, console, warn
 from runner.exec import remote
-from runner.launch.control import status
+from runner.launch.control import status, strays
 from runner.launch.registry import Registry
 
 _STYLE = {"running": "green", "starting": "cyan", "stopped": "", "failed": "bold red", "stale": "yellow"}
@@ -35,14 +35,20 @@ def register(app: typer.Typer) -> None:
         """List runs: id, name, state (running/starting/stopped/failed/stale), backend, hosts, step, tok/s, last tau, age."""
         registry = Registry()
         with cli_errors(), remote.connections():
-            rows = [status(r) for r in registry.all()]
+            records = registry.all()
+            rows = [status(r) for r in records]
+            found = strays(records, registry.ident)
         if not show_all:
             rows = [r for r in rows if r.state in ("running", "starting")]
         # One line per damaged registry entry or run file: the others are listed all the same.
-        notes = [*registry.damaged, *(f"{r.record.run_id}: {line}" for r in rows for line in r.damage)]
+        notes = [
+            *registry.damaged,
+            *(f"{r.record.run_id}: {line}" for r in rows for line in r.damage),
+            *found,
+        ]
         if as_json:
             typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
-            for line in registry.damaged:
+            for line in [*registry.damaged, *found]:
                 warn(line)
             return
         table = Table(box=None, pad_edge=False)

@@ -14,17 +14,15 @@ from runner.console import cli_errors, console
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.launch.registry import Registry
-from runner.watch.report import SAMPLES, ReportSummary, build_report
-
-FILES = ("run.json", "metrics.jsonl", "events.jsonl", SAMPLES)
-"""What a report reads: copied from a remote host (never the checkpoints or logs)."""
+from runner.rundir import layout
+from runner.watch.report import ReportSummary, build_report
 
 _LIST = 'cd "$1" || exit 3; shift; for f in "$@"; do [ -f "$f" ] && echo "$f"; done; exit 0'
 
 
 def _fetch(host: str, run_dir: str, into: Path) -> None:
     """Copy the files a report reads from host:run_dir into `into`; those absent there stay absent."""
-    listed = remote.run(host, ["sh", "-c", _LIST, "sh", run_dir, *FILES], check=False, timeout=120)
+    listed = remote.run(host, ["sh", "-c", _LIST, "sh", run_dir, *layout.REPORTED], check=False, timeout=120)
     if listed.returncode == 3:
         raise RunnerError(f"{host}:{run_dir} does not exist; `dflashctl ps --all` shows where the run lives")
     if listed.returncode != 0:
@@ -37,13 +35,15 @@ def _fetch(host: str, run_dir: str, into: Path) -> None:
 
 def _report(run: str, out: Path | None, node: int) -> ReportSummary:
     given = Path(run).expanduser()
-    if given.is_dir() and (given / "run.json").is_file():
+    if given.is_dir() and (given / layout.RUN_JSON).is_file():
         return build_report(given, out or given / "report.png")
     try:
         rec = Registry().find(run)
     except RunnerError:
         if given.is_dir():
-            raise RunnerError(f"{given} has no run.json: not a run directory (nor a known run id)") from None
+            raise RunnerError(
+                f"{given} has no {layout.RUN_JSON}: not a run directory (nor a known run id)"
+            ) from None
         raise
     hosts = [h for h in rec.hosts if h.node_rank == node]
     if not hosts:

@@ -16,6 +16,7 @@ from runner.envs import tomllib
 from runner.errors import BadInput
 from runner.exec import remote
 from runner.launch.registry import HostRecord, Registry, RunRecord
+from runner.rundir import layout
 from runner.watch.actions import Policy
 from runner.watch.dashboard import snapshot_json
 from runner.watch.live import run_live, view
@@ -40,7 +41,7 @@ def thresholds_from(overrides: list[str]) -> Thresholds:
 def find_run(ref: str) -> RunRecord:
     """A registered run, or a local run directory given by path."""
     p = Path(ref)
-    if (p / "run.json").is_file():
+    if (p / layout.RUN_JSON).is_file():
         return RunRecord(
             run_id=p.resolve().name, name=p.resolve().name, backend="unknown", created_at=p.stat().st_mtime,
             config="", hosts=[HostRecord(node_rank=0, host=None, run_dir=str(p.resolve()))],

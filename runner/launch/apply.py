@@ -18,10 +18,10 @@ from runner.cache.warmrun import warm_cache
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.launch import backend
-from runner.launch.plan import SUPERVISOR_LOG, HostPlan, Request, RunPlan
+from runner.launch.plan import HostPlan, Request, RunPlan
 from runner.launch.preflight import job_env
 from runner.launch.registry import HostRecord, Registry, RunRecord
-from runner.rundir import RUN_FORMAT
+from runner.rundir import RUN_FORMAT, layout
 
 
 def runner_manifest(plan: RunPlan, hp: HostPlan) -> dict[str, object]:
@@ -83,7 +83,7 @@ def _make_run_dir(plan: RunPlan, hp: HostPlan, config: Path) -> None:
     manifest = json.dumps(runner_manifest(plan, hp), indent=2, sort_keys=True) + "\n"
     remote.write_file(hp.host, f"{hp.run_dir}/run.json", manifest.encode())
     remote.write_file(hp.host, hp.config_path, config.read_bytes())
-    remote.write_file(hp.host, f"{hp.run_dir}/{SUPERVISOR_LOG}", b"")
+    remote.write_file(hp.host, f"{hp.run_dir}/{layout.SUPERVISOR_LOG}", b"")
 
 
 def _place_cache(req: Request, hp: HostPlan, store: Store, progress: Callable[[str], None]) -> None:

@@ -77,6 +77,21 @@ class Backend:
             f"`dflashctl logs {run_id} --follow` shows its output"
         )
 
+    def locate(self, run_id: str, h: Any) -> Any:
+        """`h` (a host's record) with the handles the backend finds now for this run and node by
+        its own tags, where they differ from the recorded ones; `h` itself where it tags nothing."""
+        return h
+
+    def found(self, host: str | None, registry: str) -> list[tuple[str, str]]:
+        """(handle, run id) of everything this backend started on host from the registry whose
+        ident is `registry` (launch.registry.Registry.ident), found by its own tags whatever the
+        registry holds now: what `ps` matches against its entries."""
+        return []
+
+    def stray(self, where: str, handle: str, run_id: str) -> str:
+        """The line `ps` prints for a found handle of a run the registry no longer lists."""
+        return f"{self.name} {handle} on {where} belongs to run {run_id}, which the registry no longer lists"
+
     def relaunch(self, run_id: str, hp: Any) -> None:
         raise RunnerError(f"{run_id} ran in the foreground of another terminal: relaunch it there")
 

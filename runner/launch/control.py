@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -14,9 +15,8 @@ from runner.errors import RunnerError
 from runner.exec import remote
 from runner.exec.proc import ProcId
 from runner.launch import backend
-from runner.launch.plan import SUPERVISOR_LOG
 from runner.launch.registry import HostRecord, RunRecord
-from runner.rundir import RunLocation, RunView, read_run, tail_argv, tau_series
+from runner.rundir import RunLocation, RunView, layout, read_run, tail_argv, tau_series
 
 _PROC_SOURCE = (Path(__file__).parents[1] / "exec" / "proc.py").read_text()
 _STATE_ORDER = ["failed", "stale", "running", "starting", "stopped"]
@@ -62,6 +62,29 @@ class RunStatus:
         }
 
 
+def located(rec: RunRecord) -> RunRecord:
+    """The record with each host's handles as its backend finds them now (docker: the container that
+    carries the run's labels), so a stop reaches what runs even where the record's name is stale."""
+    runs_in = backend.of(rec.backend)
+    return dataclasses.replace(rec, hosts=[runs_in.locate(rec.run_id, h) for h in rec.hosts])
+
+
+def strays(records: list[RunRecord], registry: str) -> list[str]:
+    """One line per handle a backend finds, tagged by this registry, of a run no record names (its
+    entry was removed, or the launch was killed before it could undo itself), on this machine and
+    every host a record of that backend names."""
+    known = {r.run_id for r in records}
+    lines = []
+    for name in backend.NAMES:
+        runs_in = backend.get(name)
+        hosts = dict.fromkeys([None, *(h.host for r in records if r.backend == name for h in r.hosts)])
+        for host in hosts:
+            for handle, run_id in runs_in.found(host, registry):
+                if run_id not in known:
+                    lines.append(runs_in.stray(host or "this machine", handle, run_id))
+    return lines
+
+
 def status(rec: RunRecord) -> RunStatus:
     views, states, errors = [], [], []
     for h in rec.hosts:
@@ -73,7 +96,10 @@ def status(rec: RunRecord) -> RunStatus:
             continue
         views.append(view)
         state = view.state(started_at=rec.created_at)
-        if state == "starting" and backend.of(rec.backend).alive(h) is False:
+        if (
+            state == "starting"
+            and backend.of(rec.backend).alive(backend.of(rec.backend).locate(rec.run_id, h)) is False
+        ):
             state = "failed"
         states.append(state)
     state = next((s for s in _STATE_ORDER if s in states), "stale")
@@ -225,6 +251,7 @@ def stop(
     descendants, each checked against its start time first."""
     started = time.monotonic()
     deadline = started + timeout
+    rec = located(rec)
     known: dict[int, dict[int, ProcId]] = {h.node_rank: {} for h in rec.hosts}
 
     def look(h: HostRecord) -> RunView:
@@ -318,11 +345,11 @@ def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, f
         argv = backend.of(rec.backend).logs_argv(h, lines=lines, follow=follow)
         if argv is not None:
             return argv
-        rel = SUPERVISOR_LOG
+        rel = layout.SUPERVISOR_LOG
     else:
         if not all(c.isalnum() or c in "-_" for c in worker):
             raise RunnerError(f"--worker {worker!r}: give a name such as drafter-0, target-1 or data")
-        rel = f"logs/{worker}.log"
+        rel = layout.log(worker)
     if not follow:
         return tail_argv(location(h), rel, lines=lines, follow=False)
     # Following ends with the run: tail watches the supervisor's pid. A run that has ended already

@@ -10,6 +10,7 @@ group and to `dflashctl watch`. Containers are kept after they exit, so `docker 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from runner.errors import RunnerError
@@ -17,7 +18,7 @@ from runner.exec import docker as docker_cli
 from runner.exec import remote
 from runner.launch.backend import Backend
 from runner.launch.plan import HostFacts, HostPlan, Mount
-from runner.launch.registry import backend_name
+from runner.launch.registry import Registry, backend_name
 
 DEFAULT_SHM = 1 << 30
 
@@ -69,13 +70,33 @@ def signal(host: str | None, container: str, sig: str) -> None:
     remote.run(host, ["docker", "kill", "--signal", sig, container], check=False, timeout=60)
 
 
-def find_by_label(host: str | None, run_id: str) -> list[str]:
-    proc = remote.run(
-        host,
-        ["docker", "ps", "-a", "--filter", f"label=io.dflash.run={run_id}", "--format", "{{.Names}}"],
-        timeout=60,
-    )
-    return proc.stdout.decode().split()
+RUN_LABEL = "io.dflash.run"
+NODE_LABEL = "io.dflash.node"
+REGISTRY_LABEL = "io.dflash.registry"
+"""The launching registry's ident (launch.registry.Registry.ident)."""
+
+
+def find_by_label(host: str | None, **wanted: str) -> list[dict[str, str]]:
+    """The labels (and `name`) of every container on host that carries a run label, running or
+    not, narrowed to those with each `wanted` label (run=, node=, registry=); [] where docker does
+    not answer."""
+    keys = {"run": RUN_LABEL, "node": NODE_LABEL, "registry": REGISTRY_LABEL}
+    filters = ["--filter", f"label={RUN_LABEL}"]
+    for key, value in wanted.items():
+        filters += ["--filter", f"label={keys[key]}={value}"]
+    fmt = "{{.Names}}" + "".join(f'\t{{{{.Label "{label}"}}}}' for label in keys.values())
+    try:
+        proc = remote.run(host, ["docker", "ps", "-a", *filters, "--format", fmt], check=False, timeout=60)
+    except RunnerError:  # no docker CLI there, or no answer in time
+        return []
+    if proc.returncode != 0:
+        return []
+    found = []
+    for line in proc.stdout.decode(errors="replace").splitlines():
+        name, *values = line.split("\t")
+        if name and len(values) == len(keys):
+            found.append({"name": name, **dict(zip(keys, values, strict=True))})
+    return found
 
 
 def logs_argv(host: str | None, container: str, *, lines: int, follow: bool) -> list[str]:
@@ -105,12 +126,14 @@ def mounts(hp: HostPlan, cfg: dict[str, Any], f: HostFacts) -> list[Mount]:
 
 
 def labels(run_id: str, hp: HostPlan) -> dict[str, str]:
-    """The labels a run's containers carry: find_by_label finds them by the run id."""
+    """The labels a run's containers carry: find_by_label finds them by the run id, its node and
+    the registry that launched it."""
     return {
-        "io.dflash.run": run_id,
+        RUN_LABEL: run_id,
         "io.dflash.role": "supervisor",
         "io.dflash.host": hp.host or "local",
-        "io.dflash.node": str(hp.node_rank),
+        NODE_LABEL: str(hp.node_rank),
+        REGISTRY_LABEL: Registry().ident,
     }
 
 
@@ -158,6 +181,25 @@ class DockerBackend(Backend):
         if not h.container:
             return super().attach_argv(run_id, h)
         return attach_argv(h.host, h.container)
+
+    def locate(self, run_id: str, h: Any) -> Any:
+        """The host's record with the container that carries this run's and node's labels: the
+        recorded name while that container exists, else the labelled one (renamed by hand, or
+        recorded without its name)."""
+        mine = [c["name"] for c in find_by_label(h.host, run=run_id, node=str(h.node_rank))]
+        if not mine or h.container in mine:
+            return h
+        return dataclasses.replace(h, container=mine[0])
+
+    def found(self, host: str | None, registry: str) -> list[tuple[str, str]]:
+        return [(c["name"], c["run"]) for c in find_by_label(host, registry=registry)]
+
+    def stray(self, where: str, handle: str, run_id: str) -> str:
+        return (
+            f"container {handle} on {where} belongs to run {run_id}, which this machine launched but "
+            f"no longer lists (its registry entry is gone): `docker logs {handle}` shows it, "
+            f"`docker rm -f {handle}` removes it"
+        )
 
     def relaunch(self, run_id: str, hp: Any) -> None:
         assert hp.container

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from runner.exec import remote
 from runner.launch.backend import Backend
-from runner.launch.plan import SUPERVISOR_LOG, HostPlan, shell_line
+from runner.launch.plan import HostPlan, shell_line
+from runner.rundir import layout
 
 
 def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = None) -> int:
@@ -43,7 +44,7 @@ def run(hosts: list[HostPlan], *, on_line: Callable[[str, str], None] | None = N
     def pump(hp: HostPlan, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         # Remote hosts tee into their own run directory; a local job writes its log through us.
-        path = f"{hp.run_dir}/{SUPERVISOR_LOG}" if hp.host is None else os.devnull
+        path = f"{hp.run_dir}/{layout.SUPERVISOR_LOG}" if hp.host is None else os.devnull
         with open(path, "ab") as log:
             for raw in proc.stdout:
                 log.write(raw)

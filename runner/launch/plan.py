@@ -17,9 +17,9 @@ from typing import Any
 from runner.errors import BadInput
 from runner.launch import backend
 from runner.launch.registry import check_name
+from runner.rundir import layout
 
 BACKENDS = backend.NAMES
-SUPERVISOR_LOG = "logs/supervisor.log"
 CONFIG_NAME = "config.toml"
 """The config as launched, copied into each host's run directory: the job reads this copy."""
 SHM_MARGIN = 256 << 20
@@ -243,5 +243,5 @@ def shell_line(hp: HostPlan, *, log: bool) -> str:
     envs = [f"{k}={v}" for k, v in sorted(hp.env.items())]
     line = f"cd {shlex.quote(hp.cwd)} && {shlex.join(['env', *envs, *hp.argv])}"
     if log:
-        line += f" 2>&1 | tee -a {shlex.quote(hp.run_dir + '/' + SUPERVISOR_LOG)}"
+        line += f" 2>&1 | tee -a {shlex.quote(hp.run_dir + '/' + layout.SUPERVISOR_LOG)}"
     return line

@@ -4,9 +4,11 @@ machine whether it runs here or on a host."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,13 @@ class Registry:
         self.root = (root or state_dir()) / "runs"
         self.damaged: list[str] = []
         """One line per entry the last all() skipped (runner.rundir.schema): what ps prints."""
+
+    @property
+    def ident(self) -> str:
+        """Names this registry among every machine's and user's (the launching host and the registry's
+        path): what a backend tags its handles with, so `ps` finds those whose entry is gone."""
+        where = f"{socket.gethostname()}:{self.root.resolve()}"
+        return hashlib.sha256(where.encode()).hexdigest()[:12]
 
     def save(self, rec: RunRecord) -> Path:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)

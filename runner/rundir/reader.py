@@ -14,7 +14,7 @@ from typing import Any
 from runner.errors import RunnerError
 from runner.exec import remote
 from runner.exec.proc import flock_holders
-from runner.rundir import schema
+from runner.rundir import layout, schema
 from runner.rundir.schema import EVENTS, HEARTBEAT, METRICS, RUN_JSON, Damaged, Tally
 
 RUN_FORMAT = 1
@@ -44,17 +44,18 @@ _SCRIPT = r"""
 M="$1"
 cd "$2" 2>/dev/null || { echo "$M missing"; exit 0; }
 echo "$M now"; date +%s
-echo "$M run.json"; cat run.json 2>/dev/null
-echo; echo "$M lock"; stat -c '%i %d' job.lock 2>/dev/null
+echo "$M manifest"; cat "$5" 2>/dev/null
+echo; echo "$M lock"; stat -c '%i %d' "$6" 2>/dev/null
 echo "$M locks"; cat /proc/locks 2>/dev/null
-echo "$M metrics"; tail -c "$3" metrics.jsonl 2>/dev/null
-echo; echo "$M events"; tail -c "$4" events.jsonl 2>/dev/null
-for f in workers/*.json; do
+echo "$M metrics"; tail -c "$3" "$7" 2>/dev/null
+echo; echo "$M events"; tail -c "$4" "$8" 2>/dev/null
+for f in "$9"/*.json; do
   [ -f "$f" ] || continue
   echo; echo "$M worker $f"; cat "$f"
 done
 echo; echo "$M end"
 """
+"""$1 the section marker, $2 the run dir, $3/$4 the metrics/events tail bytes, $5.. the layout's files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ def read_run(
 ) -> RunView:
     marker = f"@@dflash-{secrets.token_hex(6)}"
     argv = ["sh", "-c", _SCRIPT, "sh", marker, loc.run_dir, str(metrics_bytes), str(events_bytes)]
+    argv += [layout.RUN_JSON, layout.JOB_LOCK, layout.METRICS, layout.EVENTS, layout.WORKERS]
     proc = remote.run(loc.host, argv, timeout=60)
     sections: dict[str, str] = {}
     name = None
@@ -185,31 +187,32 @@ def read_run(
     where = loc.describe().rstrip("/")
     damage: list[str] = []
     manifest = None
-    if sections.get("run.json", "").strip():
+    if sections.get("manifest", "").strip():
         try:
-            manifest = schema.parse_record(RUN_JSON, sections["run.json"])
+            manifest = schema.parse_record(RUN_JSON, sections["manifest"])
         except Damaged as e:  # run.json is written whole (temp file + rename): it is damaged
-            damage.append(schema.damaged_line(f"{where}/run.json", RUN_JSON, str(e)))
+            damage.append(schema.damaged_line(f"{where}/{layout.RUN_JSON}", RUN_JSON, str(e)))
     if manifest is not None and manifest.get("format", 0) > RUN_FORMAT:
         raise RunnerError(
-            f"{where}/run.json has format {manifest['format']}, newer than this dflashctl "
+            f"{where}/{layout.RUN_JSON} has format {manifest['format']}, newer than this dflashctl "
             f"reads ({RUN_FORMAT}); upgrade dflashctl"
         )
     heartbeats = {}
     for key, text in sections.items():
         if key.startswith("worker "):
-            base = key.split("/")[-1].removesuffix(".json")
-            if base.endswith(".data"):
-                continue  # a target's data position, not a heartbeat
+            file_name = key.split("/")[-1]
+            if not layout.is_heartbeat(file_name):
+                continue  # a target's data position, or a temp file
+            base = file_name.removesuffix(".json")
             try:
                 heartbeats[base] = schema.parse_record(HEARTBEAT, text)
             except Damaged as e:
                 damage.append(
                     schema.damaged_line(f"{where}/{key.removeprefix('worker ')}", HEARTBEAT, str(e))
                 )
-    tallies = {"metrics.jsonl": Tally(), "events.jsonl": Tally()}
-    metrics = parse_jsonl(sections.get("metrics", ""), METRICS, tallies["metrics.jsonl"])
-    events = parse_jsonl(sections.get("events", ""), EVENTS, tallies["events.jsonl"])
+    tallies = {layout.METRICS: Tally(), layout.EVENTS: Tally()}
+    metrics = parse_jsonl(sections.get("metrics", ""), METRICS, tallies[layout.METRICS])
+    events = parse_jsonl(sections.get("events", ""), EVENTS, tallies[layout.EVENTS])
     damage += [t.line(f"{where}/{name}") for name, t in tallies.items() if t.skipped]
     try:
         offset = float(int(sections.get("now", "").strip()) - int(time.time()))
@@ -233,8 +236,10 @@ def append_event(loc: RunLocation, event: str, **fields: Any) -> dict[str, Any]:
     `dflashctl`: the run's history keeps what the runner saw and did beside what the job did."""
     rec = {"t": time.time(), "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
     line = json.dumps(rec, default=str, allow_nan=False) + "\n"
-    script = 'cat >> "$1/events.jsonl"'
-    remote.run(loc.host, ["sh", "-c", script, "sh", loc.run_dir], input=line.encode(), timeout=60)
+    script = 'cat >> "$1/$2"'
+    remote.run(
+        loc.host, ["sh", "-c", script, "sh", loc.run_dir, layout.EVENTS], input=line.encode(), timeout=60
+    )
     return rec
 
 

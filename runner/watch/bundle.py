@@ -15,7 +15,14 @@ import importlib.util
 import zlib
 from pathlib import Path
 
-BUNDLED = ("rundir.schema", "watch.procinfo", "watch.nvml", "watch.fakenvml", "watch.sampler")
+BUNDLED = (
+    "rundir.layout",
+    "rundir.schema",
+    "watch.procinfo",
+    "watch.nvml",
+    "watch.fakenvml",
+    "watch.sampler",
+)
 """The sampler's modules under runner/, in import order (each stdlib only but for those before it)."""
 
 _BOOT = """\

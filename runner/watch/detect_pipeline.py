@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runner.rundir import layout
 from runner.watch.findings import Finding, Severity
 from runner.watch.signals import (
     fmt_clock,
@@ -226,7 +227,7 @@ def busy_gpu(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                     f"GPU {w.gpu_index} is the only busy {role} GPU: {w.label} at {u:.0f}% while "
                     f"{', '.join(x.name for x, _ in rest)} are at {fmt_range([x for _, x in rest])}"
                 ),
-                advice=f"if the pipeline is stuck, {w.name} is the one still computing: read logs/{w.name}.log",
+                advice=f"if the pipeline is stuck, {w.name} is the one still computing: read {layout.log(w.name)}",
                 numbers={"gpu": w.gpu_index, "worker": w.name, "pid": w.pid, "util_gpu": u},
             )
         )
@@ -374,7 +375,7 @@ def metrics_stale(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                 f"no metrics record for {fmt_duration(p.age_s)} (this run writes one every {cadence:.0f} s: "
                 f"{why}): the worker that writes them (drafter rank 0) is stuck or gone"
             ),
-            advice="see the drafter findings; read logs/drafter-0.log",
+            advice=f"see the drafter findings; read {layout.log('drafter-0')}",
             numbers={
                 "metrics_age_s": p.age_s,
                 "status_interval_s": interval,

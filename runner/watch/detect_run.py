@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runner.rundir import clean_stop
+from runner.rundir import clean_stop, layout
 from runner.watch.findings import Finding, Severity
 from runner.watch.signals import fmt_duration
 from runner.watch.snapshot import Snapshot
@@ -119,7 +119,7 @@ def restarts(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                 kind="restarts",
                 subject="drafter-group",
                 message=f"the drafter group restarted {len(group)} time(s) (generation {generation}){took}{rest}",
-                advice="the drafter findings and logs/drafter-group-node0.log say why they died",
+                advice=f"the drafter findings and {layout.group_log(0)} say why they died",
                 numbers={
                     "restarts": len(group),
                     "left": left,
@@ -138,7 +138,7 @@ def restarts(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                 kind="restarts",
                 subject=str(e.get("worker", "target")),
                 message=f"{e.get('worker', 'a target')} was restarted (pid {e.get('pid')})",
-                advice=f"read logs/{e.get('worker', 'target-0')}.log for why it died",
+                advice=f"read {layout.log(str(e.get('worker', 'target-0')))} for why it died",
                 numbers={"pid": e.get("pid")},
             )
         )
@@ -175,7 +175,7 @@ def job_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             f"the job stopped ({reason}), but the drafter group exited with code {drafter_code}: a drafter "
             "died while it stopped, so its final checkpoint may be missing"
         )
-        advice = "read logs/drafter-*.log; " + advice + " (the newest complete one)"
+        advice = f"read {layout.DRAFTER_LOGS}; " + advice + " (the newest complete one)"
     elif clean_stop(reason):
         done = [e for e in snap.events if e.get("event") == "drafters_done" and e.get("stopped_by_signal")]
         step = done[-1].get("step") if done else None

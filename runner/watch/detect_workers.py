@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runner.rundir import layout
 from runner.watch.findings import Finding, Severity
 from runner.watch.signals import (
     PAUSED_STATES,
@@ -23,7 +24,7 @@ def _where(w: WorkerView) -> str:
 
 
 def _restart_advice(w: WorkerView) -> str:
-    log = f"logs/{w.name}.log"
+    log = layout.log(w.name)
     if w.role == "drafter":
         return (
             "the job restarts its drafter group by itself (targets kept); watch with --restart turns a "
@@ -168,7 +169,7 @@ def likely_oom(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
                     f"{fmt_pct(util)} utilization, no progress for {fmt_duration(min(w.progress_age_s or 0 for w in stalled))}"
                 ),
                 advice=(
-                    f"read logs/{stalled[0].name}.log for 'out of memory' or 'illegal memory access'; restart "
+                    f"read {layout.log(stalled[0].name)} for 'out of memory' or 'illegal memory access'; restart "
                     "the worker (a drafter: watch --restart does it); if it recurs, lower train.token_budget "
                     "or train.max_batch_size"
                 ),
@@ -235,24 +236,24 @@ def stuck_state(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
         if w.state == "compiling":
             limit, why = compile_limit(snap, th)
             advice = (
-                f"a compile this long is stuck or thrashing (recompiles): read logs/{w.name}.log; a restored "
+                f"a compile this long is stuck or thrashing (recompiles): read {layout.log(w.name)}; a restored "
                 f"compile cache (dflashctl cache restore / run --warm) makes it a load. {_restart_advice(w)}"
             )
         elif w.state == "starting":
             limit, why = th.starting_limit_s, "starting_limit_s"
-            advice = f"loading its model or joining its group has stalled: read logs/{w.name}.log. {_restart_advice(w)}"
+            advice = f"loading its model or joining its group has stalled: read {layout.log(w.name)}. {_restart_advice(w)}"
         elif w.state == "checkpointing":
             limit, why = th.checkpoint_limit_s, "checkpoint_limit_s"
             advice = (
                 f"the checkpoint write has stalled: check the runs root's disk (space, a hung mount) and "
-                f"logs/{w.name}.log. {_restart_advice(w)}"
+                f"{layout.log(w.name)}. {_restart_advice(w)}"
             )
         elif w.state in _WAITS_FOR:
             limit, why = th.wait_limit_s, "wait_limit_s"
             severity = "warning"
             advice = (
                 f"it waits for {_WAITS_FOR[w.state]}: the findings about that side say why; if none do, "
-                f"read logs/{w.name}.log"
+                f"read {layout.log(w.name)}"
             )
         else:
             continue

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import RunnerError
-from runner.rundir import last_lifecycle, tau_series
+from runner.rundir import last_lifecycle, layout, tau_series
 from runner.rundir.schema import (
     EVENTS,
     METRICS,
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-SAMPLES = "watch/samples.jsonl"
 MAX_POINTS = 4000
 """Points per line drawn; longer series are thinned (every k-th point), which a 1600-pixel-wide panel
 cannot tell apart. The summary's numbers use every record."""
@@ -116,13 +115,13 @@ def load_run(run_dir: Path) -> RunData:
         raise RunnerError(
             f"{run_dir} is not a directory; give a run directory or a run id (dflashctl ps --all)"
         )
-    manifest, why = read_record_file(run_dir / "run.json", RUN_JSON)
+    manifest, why = read_record_file(run_dir / layout.RUN_JSON, RUN_JSON)
     damage = [why] if why else []
-    tallies = {name: Tally() for name in ("metrics.jsonl", "events.jsonl", SAMPLES)}
+    tallies = {name: Tally() for name in (layout.METRICS, layout.EVENTS, layout.SAMPLES)}
     gpus: dict[int, GpuSeries] = {}
     samples = 0
     sample_t: list[float] = []
-    for s in read_jsonl(run_dir / SAMPLES, SAMPLE, tallies[SAMPLES]):
+    for s in read_jsonl(run_dir / layout.SAMPLES, SAMPLE, tallies[layout.SAMPLES]):
         t = _num(s.get("t"))
         if t is None or not isinstance(s.get("gpus"), list):
             continue
@@ -146,10 +145,10 @@ def load_run(run_dir: Path) -> RunData:
                 series.total_gib = total / 1024
             if g["index"] in on_gpu:
                 series.workers = on_gpu[g["index"]]
-    metrics = read_jsonl(run_dir / "metrics.jsonl", METRICS, tallies["metrics.jsonl"])
+    metrics = read_jsonl(run_dir / layout.METRICS, METRICS, tallies[layout.METRICS])
     events = [
         e
-        for e in read_jsonl(run_dir / "events.jsonl", EVENTS, tallies["events.jsonl"])
+        for e in read_jsonl(run_dir / layout.EVENTS, EVENTS, tallies[layout.EVENTS])
         if _num(e.get("t")) is not None
     ]
     damage += [t.line(str(run_dir / name)) for name, t in tallies.items() if t.skipped]

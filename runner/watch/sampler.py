@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.rundir import layout
 from runner.rundir.schema import (
     ANY_RECORD,
     EVENTS,
@@ -114,8 +115,7 @@ def read_heartbeats(workers_dir: Path, damage: list[str] | None = None) -> dict[
     except OSError:
         return out
     for name in names:
-        # target-<i>.data.json is a target's data position, not a heartbeat; dot files are temp files.
-        if name.startswith(".") or not name.endswith(".json") or name.endswith(".data.json"):
+        if not layout.is_heartbeat(name):
             continue
         hb, why = read_record_file(workers_dir / name, HEARTBEAT)
         if hb is not None:
@@ -144,8 +144,8 @@ class SamplerState:
         self.interval_s = interval_s
         self.backlog = backlog
         self.host = host or socket.gethostname()
-        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl", first_read_max_bytes=4 << 20, kind=METRICS)
-        self.events = JsonlTail(self.run_dir / "events.jsonl", first_read_max_bytes=16 << 20, kind=EVENTS)
+        self.metrics = JsonlTail(self.run_dir / layout.METRICS, first_read_max_bytes=4 << 20, kind=METRICS)
+        self.events = JsonlTail(self.run_dir / layout.EVENTS, first_read_max_bytes=16 << 20, kind=EVENTS)
         self.manifest_damage: str | None = None
         self._manifest_stamp: tuple[int, int] | None = None
         self._first = True
@@ -162,10 +162,9 @@ def _watch_lock(state: SamplerState) -> str:
         return "held"
     import fcntl
 
-    d = state.run_dir / "watch"
     try:
-        d.mkdir(exist_ok=True)
-        fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        (state.run_dir / layout.WATCH).mkdir(exist_ok=True)
+        fd = os.open(state.run_dir / layout.WATCH_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return "other"
     try:
@@ -193,7 +192,7 @@ def _keep(state: SamplerState, sample: dict[str, Any]) -> None:
     }
     line = dumps({"t": sample["t"], "host": sample["host"], "gpus": gpus, "workers": workers}) + "\n"
     try:
-        fd = os.open(state.run_dir / "watch" / "samples.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(state.run_dir / layout.SAMPLES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())  # one O_APPEND write per record, as the job writes its files
         finally:
@@ -203,7 +202,7 @@ def _keep(state: SamplerState, sample: dict[str, Any]) -> None:
 
 
 def _manifest_if_changed(state: SamplerState) -> dict[str, Any] | None:
-    path = state.run_dir / "run.json"
+    path = state.run_dir / layout.RUN_JSON
     try:
         st = path.stat()
     except OSError:
@@ -218,7 +217,7 @@ def _manifest_if_changed(state: SamplerState) -> dict[str, Any] | None:
 
 
 def _job(run_dir: Path, proc_root: Path) -> dict[str, Any]:
-    lock = run_dir / "job.lock"
+    lock = run_dir / layout.JOB_LOCK
     try:
         text = lock.read_text().strip()
     except OSError:
@@ -266,7 +265,7 @@ def _workers(
                 by_pid.setdefault(p["pid"], []).append((g["index"], p["mem_mb"]))
     workers = {}
     keys = []
-    for name, hb in read_heartbeats(state.run_dir / "workers", damage).items():
+    for name, hb in read_heartbeats(state.run_dir / layout.WORKERS, damage).items():
         w = dict(hb)
         for field, since in (
             ("age_s", "updated_at"),
@@ -319,12 +318,12 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     # Read the other way round, a job that ended between the two reads looked stopped with no
     # "stopped" event (a "not running" warning for a completed job).
     job = src.read(
-        "job.lock", lambda: _job(state.run_dir, state.probe.fs.root), {"lock_pid": None, "lock_held": NA}
+        layout.JOB_LOCK, lambda: _job(state.run_dir, state.probe.fs.root), {"lock_pid": None, "lock_held": NA}
     )
     damage: list[str] = []
-    metrics = src.read("metrics.jsonl", state.metrics.read, [])
+    metrics = src.read(layout.METRICS, state.metrics.read, [])
     events = [
-        e for e in src.read("events.jsonl", state.events.read, []) if e.get("event") not in SKIPPED_EVENTS
+        e for e in src.read(layout.EVENTS, state.events.read, []) if e.get("event") not in SKIPPED_EVENTS
     ]
     if state._first:
         metrics, events = metrics[-state.backlog :], events[-4 * state.backlog :]
@@ -340,13 +339,13 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
         "gpus": gpus,
         "xid": xid,
         "workers": src.read(
-            "workers/ (heartbeats, processes)", lambda: _workers(state, now, gpus, damage), {}
+            f"{layout.WORKERS}/ (heartbeats, processes)", lambda: _workers(state, now, gpus, damage), {}
         ),
         "metrics": metrics,
         "events": events,
         "job": job,
     }
-    manifest = src.read("run.json", lambda: _manifest_if_changed(state), None)
+    manifest = src.read(layout.RUN_JSON, lambda: _manifest_if_changed(state), None)
     if manifest is not None:
         sample["manifest"] = manifest
     # What the readers skipped: damaged files now, and the records skipped since the sampler started.
@@ -355,10 +354,10 @@ def sample_once(state: SamplerState) -> dict[str, Any]:
     sample["damage"] = damage
     state._first = False
     sample["watch_lock"] = (
-        src.read("watch/lock", lambda: _watch_lock(state), "off") if sample["run_dir_exists"] else "off"
+        src.read(layout.WATCH_LOCK, lambda: _watch_lock(state), "off") if sample["run_dir_exists"] else "off"
     )
     if sample["watch_lock"] == "held":
-        src.read("watch/samples.jsonl", lambda: _keep(state, sample), None)
+        src.read(layout.SAMPLES, lambda: _keep(state, sample), None)
     sample["source_errors"] = src.errors
     sample["sampler"] = {
         "pid": os.getpid(),

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from runner.errors import BadInput, RunnerError
-from runner.launch import backend
+from runner.launch import backend, control
 from runner.launch.plan import HostFacts, HostPlan
+from runner.launch.registry import HostRecord, Registry, RunRecord
 
 
 def _plan(tmp_path: Path, argv: list[str]) -> HostPlan:
@@ -147,3 +148,43 @@ def test_docker_through_the_interface(tmp_path: Path, base_image: str) -> None:
         assert gone.returncode != 0, "remove leaves no container"
     finally:
         subprocess.run(["docker", "rm", "-f", hp.container], capture_output=True)
+
+
+@pytest.mark.docker
+def test_docker_finds_containers_by_their_labels(
+    tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container renamed by hand is still the run's (ps's state and stop reach it through
+    control.located), and one whose registry entry is gone is a line of ps (control.strays); another
+    registry's containers are neither."""
+    monkeypatch.setenv("DFLASH_STATE_DIR", str(tmp_path / "state"))
+    dk = backend.get("docker")
+    hp = _plan(tmp_path, ["sleep", "600"])
+    run_id = f"lb-{os.getpid()}-{int(time.time())}"
+    facts = HostFacts(host=None, home=str(tmp_path), uid=os.getuid(), gid=os.getgid())
+    dk.require(None, type("Req", (), {"image": base_image})(), facts)
+    dk.name_host(hp, run_id=run_id, facts=facts, config={})
+    Path(hp.cache_dir).mkdir()
+    assert hp.container
+    renamed = hp.container + "-renamed"
+    rec = RunRecord(
+        run_id=run_id, name="lb", backend="docker", created_at=time.time(), config="",
+        hosts=[HostRecord(node_rank=0, host=None, run_dir=hp.run_dir, container=hp.container)],
+    )  # fmt: skip
+    try:
+        dk.start(hp, _Plan(base_image))
+        assert control.located(rec).hosts[0].container == hp.container, "the recorded name while it exists"
+        subprocess.run(["docker", "rename", hp.container, renamed], check=True, capture_output=True)
+        assert dk.alive(rec.hosts[0]) is None or dk.alive(rec.hosts[0]) is False, "the recorded name is gone"
+        found = control.located(rec).hosts[0]
+        assert found.container == renamed and dk.alive(found) is True
+        ident = Registry().ident
+        assert (renamed, run_id) in dk.found(None, ident)
+        assert control.strays([rec], ident) == [], "a registered run's container is no stray"
+        lines = control.strays([], ident)
+        assert len(lines) == 1 and renamed in lines[0] and run_id in lines[0] and "docker rm -f" in lines[0]
+        assert control.strays([], "0" * 12) == [], "another registry's containers are not this one's"
+        dk.kill(found)
+        assert _until(lambda: dk.alive(found) is False)
+    finally:
+        subprocess.run(["docker", "rm", "-f", hp.container, renamed], capture_output=True)

@@ -11,7 +11,7 @@ from runner.errors import RunnerError
 from runner.exec.remote import parse_host, remote_argv
 from runner.launch.docker import run_argv
 from runner.launch.plan import HostFacts, HostPlan, Mount, Request, build_plan, shell_line
-from runner.launch.registry import check_name
+from runner.launch.registry import Registry, check_name
 from runner.launch.tmux import start_argv
 
 KEY = "ab" * 32
@@ -80,6 +80,7 @@ def test_docker_plan_labels_mounts_shm_user() -> None:
         "io.dflash.role": "supervisor",
         "io.dflash.host": "local",
         "io.dflash.node": "0",
+        "io.dflash.registry": Registry().ident,
     }
     assert hp.mounts == [
         Mount(source="/work/runs", target="/work/runs"),
