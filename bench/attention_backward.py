@@ -18,7 +18,7 @@ against flex's (relative error of each).
 --flash: flex's op with kernel_options BACKEND=FLASH (FlashAttention-4's CuTe DSL kernels, Hopper's
 FlashAttention-3 port, with the plan's BlockMask and mask_mod) timed and checked beside the two. Its
 packages (flash-attn-4, nvidia-cutlass-dsl and its libs) are not in the job's environments: a
-comparison, measured on the H200 on 2026-12-04 (docs/BENCHMARKS.md), not a path of the job.
+comparison, measured on the H200 on 2026-12-04 (docs/benchmarks-history.md), not a path of the job.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
         ap.error(
             "--flash needs the flash-attn-4 package (and nvidia-cutlass-dsl with its libs-base, libs-core "
             "and libs-cu12/cu13) importable: install them beside torch or put them on PYTHONPATH, as "
-            "docs/BENCHMARKS.md's 2026-12-04 12:57 section did"
+            "docs/benchmarks-history.md's 2026-12-04 12:57 section did"
         )
 
     import torch

@@ -305,7 +305,7 @@ def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(re
 def test_reading_a_step_waits_for_that_step_only(repo):
     """read_step waits for its own step's end, not for work queued on the device after it (StepAhead
     queues the next step before reading this one: a read that waited for it lost the lead; H200 run
-    of 2026-12-02 in docs/BENCHMARKS.md). About a second of device sleep behind the step is still
+    of 2026-12-02 in docs/benchmarks-history.md). About a second of device sleep behind the step is still
     running when the read returns."""
     dev = torch.device("cuda")
     trainer, spec = _trainer(repo, dev, torch.bfloat16)
