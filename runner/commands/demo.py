@@ -124,7 +124,7 @@ def register(app: typer.Typer) -> None:
             sets = [f"train.total_steps={steps}", f"train.checkpoint_every={max(5, steps // 6)}",
                     "run.status_interval_s=2"]  # fmt: skip
             req = Request(config=str(config), backend=backend, name="demo", sets=sets, warm=True,
-                          runs_root=runs_root, python=sys.executable)  # fmt: skip
+                          runs_root=runs_root, python=sys.executable, own_env=True)  # fmt: skip
             run_id = new_run_id("demo")
             store = Store()
             console.print(f"[bold]1. run[/] {run_id}: checks, compile cache (--warm), launch in {backend}")

@@ -82,6 +82,9 @@ class Request:
     """`run --dry-run`: the checks write nothing on any host."""
     warm: bool = False
     allow_drift: bool = False
+    own_env: bool = False
+    """The job runs in dflashctl's own interpreter (the demo, from this checkout's venv): no other
+    environment to drift from it, so no variant is asked for."""
     rdzv_port: int | None = None
 
     def __post_init__(self) -> None:

@@ -114,6 +114,8 @@ def _variant_for(req: Request, env: JobEnv) -> tuple[str | None, str | None]:
 def drift_check(req: Request, env: JobEnv, warn: Callable[[str], None]) -> str | None:
     """Refuse (unless --allow-drift) an environment that differs from its variant; the lock sha."""
     variant, lock_file = _variant_for(req, env)
+    if variant is None and req.own_env:
+        return None
     if variant is None:
         warn(
             f"{env.describe()}: no variant to check against (pass --variant, or run an image or venv "

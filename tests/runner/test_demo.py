@@ -82,6 +82,9 @@ def test_demo_without_tmux_runs_in_the_foreground(tmp_path: Path) -> None:
     out = cli("demo", "--steps", "10", "--no-fault", "--runs-root", str(cli.runs), timeout=900)
     assert "launch in foreground" in out.stdout and "demo done: trained 10 steps" in out.stdout, out.stdout
     assert "Traceback" not in out.stdout + out.stderr, out.stderr
+    # Nothing on the first screen that a new user cannot act on (warn() writes "warning: ..." to stderr).
+    assert "warning" not in out.stdout.split("2. watch")[0].lower(), out.stdout
+    assert not [line for line in out.stderr.splitlines() if line.lower().startswith("warning")], out.stderr
     (row,) = cli.ps()
     run = Path(row["run_dirs"][0])
     assert row["backend"] == "foreground" and events(run, "stopped")[-1]["reason"] == "completed"

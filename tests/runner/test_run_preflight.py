@@ -177,3 +177,21 @@ def test_ssh_login_refused_for_a_wrong_key(tmp_path: Path, sshd_server) -> None:
     assert f"cannot log in to {sshd_server.host} over ssh" in out.stderr, out.stderr
     assert "Permission denied" in out.stderr and "your key" in out.stderr, out.stderr
     _nothing_left(cli, tmp_path)
+
+
+def test_the_demos_own_environment_asks_for_no_variant(tmp_path: Path) -> None:
+    """The demo runs the job in dflashctl's own interpreter: no warning about a variant it cannot
+    name. Another environment without a variant still gets the warning, with what to pass."""
+    from runner.exec.jobenv import JobEnv
+    from runner.launch.plan import Request
+    from runner.launch.preflight import drift_check
+
+    python = str(tmp_path / "venv" / "bin" / "python")  # no dflash-env.json beside it: no variant
+    env = JobEnv(python=python)
+    warnings: list[str] = []
+    own = Request(config=DEMO, backend="foreground", python=python, own_env=True)
+    assert drift_check(own, env, warnings.append) is None
+    assert warnings == []
+    other = Request(config=DEMO, backend="foreground", python=python)
+    assert drift_check(other, env, warnings.append) is None
+    assert len(warnings) == 1 and "no variant to check against (pass --variant" in warnings[0]
