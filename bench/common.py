@@ -8,6 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_8B = REPO / "configs" / "qwen3-8b.toml"
+"""The shipped 8B config: what the GPU runs of the benches measure."""
+CONFIG_TINY = REPO / "configs" / "demo-cpu.toml"
+"""The demo's config: the benches' --tiny CPU runs."""
+
 
 def report_header(bench: str, on_gpu: bool) -> dict[str, Any]:
     """The fields every bench's JSON report starts with: which bench, when, the exact command, the

@@ -28,10 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import default_out, report_header, write_report  # noqa: E402  (bench/, the script's own directory)
-
-CONFIG_8B = REPO / "configs" / "qwen3-8b.toml"
-CONFIG_TINY = REPO / "configs" / "demo-cpu.toml"
+from common import CONFIG_8B, CONFIG_TINY, default_out, report_header, write_report  # noqa: E402  (bench/)
 
 
 def parse_args() -> argparse.Namespace:

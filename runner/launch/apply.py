@@ -81,7 +81,7 @@ def _make_run_dir(plan: RunPlan, hp: HostPlan, config: Path) -> None:
         raise RunnerError(f"{hp.run_dir} already exists on {hp.host or 'this machine'}; pick another --name")
     remote.run(hp.host, ["mkdir", "-p", f"{hp.run_dir}/logs", f"{hp.run_dir}/workers"], timeout=60)
     manifest = json.dumps(runner_manifest(plan, hp), indent=2, sort_keys=True) + "\n"
-    remote.write_file(hp.host, f"{hp.run_dir}/run.json", manifest.encode())
+    remote.write_file(hp.host, f"{hp.run_dir}/{layout.RUN_JSON}", manifest.encode())
     remote.write_file(hp.host, hp.config_path, config.read_bytes())
     remote.write_file(hp.host, f"{hp.run_dir}/{layout.SUPERVISOR_LOG}", b"")
 

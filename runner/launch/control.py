@@ -86,6 +86,7 @@ def strays(records: list[RunRecord], registry: str) -> list[str]:
 
 
 def status(rec: RunRecord) -> RunStatus:
+    runs_in = backend.of(rec.backend)
     views, states, errors = [], [], []
     for h in rec.hosts:
         try:
@@ -96,10 +97,7 @@ def status(rec: RunRecord) -> RunStatus:
             continue
         views.append(view)
         state = view.state(started_at=rec.created_at)
-        if (
-            state == "starting"
-            and backend.of(rec.backend).alive(backend.of(rec.backend).locate(rec.run_id, h)) is False
-        ):
+        if state == "starting" and runs_in.alive(runs_in.locate(rec.run_id, h)) is False:
             state = "failed"
         states.append(state)
     state = next((s for s in _STATE_ORDER if s in states), "stale")
@@ -252,6 +250,7 @@ def stop(
     started = time.monotonic()
     deadline = started + timeout
     rec = located(rec)
+    runs_in = backend.of(rec.backend)
     known: dict[int, dict[int, ProcId]] = {h.node_rank: {} for h in rec.hosts}
 
     def look(h: HostRecord) -> RunView:
@@ -299,7 +298,7 @@ def stop(
             h
             for h in rec.hosts
             if name[h.node_rank] in missed
-            and not backend.of(rec.backend).in_container
+            and not runs_in.in_container
             and alive_pids(h.host, list(known[h.node_rank].values()))
         ]
         if pending or hosts:
@@ -317,11 +316,11 @@ def stop(
     for h in rec.hosts:
         ids = list(known[h.node_rank].values())
         while True:
-            alive = [] if backend.of(rec.backend).in_container else alive_pids(h.host, ids)
+            alive = [] if runs_in.in_container else alive_pids(h.host, ids)
             if not alive or time.monotonic() > settle:
                 break
             time.sleep(0.5)
-        if backend.of(rec.backend).in_container and backend.of(rec.backend).alive(h):
+        if runs_in.in_container and runs_in.alive(h):
             alive = [-1]
         if alive:
             left[name[h.node_rank]] = alive
@@ -341,7 +340,7 @@ def stop(
 def log_argv(rec: RunRecord, h: HostRecord, worker: str | None, *, lines: int, follow: bool) -> list[str]:
     """argv that prints (and follows, until the run ends) a log of the run: the supervisor's by
     default, or a worker's."""
-    if worker in (None, "supervisor"):
+    if worker in (None, layout.SUPERVISOR):
         argv = backend.of(rec.backend).logs_argv(h, lines=lines, follow=follow)
         if argv is not None:
             return argv

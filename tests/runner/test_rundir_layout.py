@@ -23,6 +23,12 @@ FILE_NAMES = {
 SUBDIR = re.compile(rf"(?<![\w.-])({layout.LOGS}|{layout.WORKERS}|{layout.WATCH})/(?:[\w*-]|$)")
 
 
+def spells_a_path(text: str) -> bool:
+    """A file of the run directory named as a path: the whole string, or its tail after a `/` (an
+    f-string's `{run_dir}/run.json`); prose that mentions a file name is not a path."""
+    return text in FILE_NAMES or text.startswith("/") and text[1:] in FILE_NAMES or bool(SUBDIR.search(text))
+
+
 def _strings(tree: ast.AST) -> list[tuple[int, str]]:
     """Every string constant in code, docstrings left out (they may name the files in prose)."""
     docstrings = set()
@@ -45,15 +51,19 @@ def test_no_runner_module_but_layout_spells_a_run_directory_path() -> None:
         if path.name == "layout.py" or path.parts[-2] == "cache":  # cache/: the artifact store's own files
             continue
         for line, text in _strings(ast.parse(path.read_text())):
-            if text in FILE_NAMES or SUBDIR.search(text):
+            if spells_a_path(text):
                 spelled.append(f"{path.relative_to(ROOT)}:{line}: {text!r}")
     assert not spelled, "take these from runner.rundir.layout:\n" + "\n".join(spelled)
 
 
 def test_the_checker_finds_a_spelled_path() -> None:
     tree = ast.parse('"""Reads run.json."""\nx = "metrics.jsonl"\ny = f"read logs/{name}.log"\n')
-    found = [t for _, t in _strings(tree) if t in FILE_NAMES or SUBDIR.search(t)]
+    found = [t for _, t in _strings(tree) if spells_a_path(t)]
     assert found == ["metrics.jsonl", "read logs/"]
+    joined = ast.parse('p = f"{run_dir}/run.json"\nq = "no run.json there"\n')
+    assert [t for _, t in _strings(joined) if spells_a_path(t)] == ["/run.json"], (
+        "a path joined in an f-string"
+    )
 
 
 def test_layout_names_the_files_the_job_writes(tmp_path: Path) -> None:
