@@ -397,12 +397,19 @@ class TrainConfig:
     group on float32 weights: slower by the casts' 3.5 ms a step, for gradients averaged in float32.
     Needs CUDA."""
     tau_eval: str = "auto"
-    """true | false | auto (true where the drafters train on the CPU): after each checkpoint the
-    pipeline's supervisor measures tau, the acceptance length under real speculative decoding
-    (`python -m dflash.eval` on the checkpoint, a process of its own at low CPU priority, on the
-    CPU), and writes a `tau` event; watch, report and ps read it. auto leaves GPU jobs off: the
-    eval would need a second, full copy of the target beside the workers' (docs/watch.md). Its cost
-    on the 2-core CPU demo: first step -> done 74.1 s off, 84.1 s on (+13%; docs/BENCHMARKS.md)."""
+    """true | false | auto (true): after each checkpoint the pipeline's supervisor measures tau, the
+    acceptance length under real speculative decoding (`python -m dflash.eval` on the checkpoint, a
+    process of its own at low CPU priority), and writes a `tau` event; watch, report and ps read it.
+    It runs on the CPU for a CPU job, else on the first target's GPU, beside the workers: a second,
+    full copy of the target and the drafter in bf16, which the eval first checks against the GPU's
+    free memory less run.memory_headroom_gb (no room: one `tau_skipped` event says so, and training
+    goes on). Paced to train.tau_budget of the wall time. Its cost on the 2-core CPU demo, before the
+    pacing: first step -> done 74.1 s off, 84.1 s on (+13%; docs/BENCHMARKS.md)."""
+    tau_budget: Annotated[float, Fraction] = 0.02
+    """The share of the wall time the in-job tau may take (train.tau_eval): a measurement starts only
+    while the finished ones took at most this share of the time since training began, so a checkpoint
+    that comes sooner waits (the newest waiting one is measured when the budget allows, the final
+    checkpoint's always). 1 measures every checkpoint."""
     tau_prompts: str = ""
     """The held-out prompts of the in-job tau (a JSONL file of text or messages records that the
     job does not train on); empty = `demo` for the demo corpus (records of another seed), else none

@@ -18,3 +18,10 @@ class ConfigError(DFlashError, ValueError):
 
 class DegradedKernelError(DFlashError):
     """A kernel fell back to a slow path while strict_kernels is on."""
+
+
+class DoesNotFit(DFlashError):
+    """A process that shares a GPU with a running job found no room there (dflash.eval --headroom-gb):
+    it exits with EXIT_CODE, which the job reads as "skip", not as a failure."""
+
+    EXIT_CODE = 3

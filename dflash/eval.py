@@ -12,7 +12,10 @@ as training reads them (`text`: its first --prompt-tokens tokens are the prompt;
 turn before the assistant's reply, up to the reply's start), or `demo` (the default for a run on the
 demo corpus): demo records of another seed, so none of them was trained on. Each prompt is decoded
 greedily (or sampled, --temperature) for --max-new tokens, then by the target alone for the
-speed-up. Exit 2 with one `error:` line on bad input.
+speed-up (not with --no-baseline, as the job's in-job tau runs it). On a GPU, --headroom-gb G
+first checks that the target and drafter fit in the device's free memory less G GiB (the eval then
+shares a GPU with a running job): exit 3 with one `error:` line when they do not. Exit 2 with one
+`error:` line on bad input.
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash.data.tokenizer import record_prompt
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError, DFlashError, DoesNotFit
 from dflash.exiting import without_final_gc
+
+EVAL_SCRATCH_BYTES = 1 << 30
+"""Device memory the decode needs beyond the weights: KV caches and activations at batch 1, the CUDA
+context's own allocations (1 GiB covers the 8B target's cache for a prompt and 512 new tokens)."""
 
 DEMO_HELDOUT_SEED = 104_729
 """The demo corpus is demo_records(2000, seed 0); the held-out prompts come from this other seed."""
@@ -108,7 +115,8 @@ def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
 
     check_model_dir(src.target_path)
     spec = DrafterSpec.from_hf_config(json.loads((src.drafter_dir / "config.json").read_text()))
-    embed, head, config = load_frozen_head(src.target_path, dtype=torch.float32, device=device)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    embed, head, config = load_frozen_head(src.target_path, dtype=dtype, device=device)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = len(spec.target_layer_ids) * spec.target_hidden_size
     problems = []
@@ -129,8 +137,7 @@ def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
             f"the drafter in {src.drafter_dir} was not trained on the target {src.target_path}: "
             f"{'; '.join(problems)}; pass --target the drafter's own target"
         )
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    drafter = DFlashDrafter(spec, embed.to(dtype), head.to(dtype), backend="sdpa", compile=False)
+    drafter = DFlashDrafter(spec, embed, head, backend="sdpa", compile=False)
     weights = load_file(str(src.drafter_dir / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     trainable = set(drafter.trainable_state_dict())
@@ -144,6 +151,36 @@ def load_pair(src: Source, device: Any) -> tuple[Any, Any, Any]:
         device
     )
     return Target(model, spec.target_layer_ids), drafter, spec
+
+
+def pair_bytes(src: Source) -> int:
+    """Device bytes the eval needs at bf16, at least: the target's weight files, the drafter's
+    weights (their file: float32 in a checkpoint, so an upper bound), the drafter's own bf16 copy of
+    the frozen embedding and head, and EVAL_SCRATCH_BYTES."""
+    from dflash.plan.placement import target_weight_bytes
+    from dflash.plan.spec import DrafterSpec
+
+    spec = DrafterSpec.from_hf_config(json.loads((src.drafter_dir / "config.json").read_text()))
+    frozen = 2 * spec.vocab_size * spec.hidden_size * 2
+    drafter = (src.drafter_dir / "model.safetensors").stat().st_size
+    return target_weight_bytes(src.target_path) + drafter + frozen + EVAL_SCRATCH_BYTES
+
+
+def check_fits(src: Source, device: Any, headroom_gb: float) -> None:
+    """Refuse (DoesNotFit) before loading anything when the pair does not fit in the GPU's free
+    memory less headroom_gb: the eval shares the GPU with a running job, which must keep its room."""
+    import torch
+
+    from dflash.plan.placement import GIB
+
+    free, total = torch.cuda.mem_get_info(device)
+    need = pair_bytes(src)
+    if free - headroom_gb * GIB < need:
+        raise DoesNotFit(
+            f"the target and drafter need {need / GIB:.1f} GiB on {device} and it has {free / GIB:.1f} GiB "
+            f"free of {total / GIB:.1f} (--headroom-gb {headroom_gb:g} kept for the job): evaluate on "
+            "another GPU (--device), or after the job"
+        )
 
 
 def read_prompts(path: str, tok: Any, *, prompt_tokens: int, limit: int, seed: int) -> list[list[int]]:
@@ -230,6 +267,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         limit=args.limit,
         seed=args.seed,
     )
+    if args.headroom_gb is not None and device.type == "cuda":
+        check_fits(src, device, args.headroom_gb)
     target, drafter, spec = load_pair(src, device)
     run = decode_plain if args.plain else decode
     eos = None if args.ignore_eos else tok.eos_token_id
@@ -246,7 +285,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed + i,
         )
         decodes.append(d)
-        baseline += greedy(target, prompt, max_new=len(d.tokens), eos=None).seconds
+        if not args.no_baseline:
+            baseline += greedy(target, prompt, max_new=len(d.tokens), eos=None).seconds
         if not args.json:
             _progress(i, len(prompts), summarize(decodes, spec.block_size)["tau"])
     result = summarize(decodes, spec.block_size, baseline_s=baseline)
@@ -312,6 +352,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default cuda when there is one)")
     p.add_argument("--plain", action="store_true", help="the cache-free reference loop (slow; same tau)")
     p.add_argument("--ignore-eos", action="store_true", help="decode --max-new tokens past any eos")
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the target-alone decode of each prompt (no speed-up figure; tau is the same)",
+    )
+    p.add_argument(
+        "--headroom-gb",
+        type=float,
+        help="on a GPU: first check that the pair fits in its free memory less this (exit 3 if not)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     for name in ("max_new", "limit", "prompt_tokens"):
@@ -326,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = evaluate(args)
+    except DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return DoesNotFit.EXIT_CODE
     except (DFlashError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import JobConfig, add_config_args, load_config, set_args
-from dflash.errors import DFlashError
+from dflash.errors import DFlashError, DoesNotFit
 from dflash.exiting import without_final_gc
 from dflash.pipeline import DATA_SUMMARY_ENV, STOP_FILE_ENV
 from dflash.pipeline.drafter_entry import SPARE_DIR_ENV, socket_dir
@@ -624,6 +624,13 @@ def _metric_at(path: Path, step: int | None, key: str, tail: int = 1 << 16) -> f
     return None
 
 
+def tau_device(targets: list[str]) -> str:
+    """Where the in-job tau runs: the first target's GPU (a target worker holds weights and one
+    batch's activations, a drafter its training peak), else the CPU."""
+    first = targets[0] if targets else "cpu"
+    return first if first.startswith("cuda") else "cpu"
+
+
 def tau_prompts(cfg: JobConfig) -> str | None:
     """The in-job tau's held-out prompts (train.tau_prompts), None when there are none."""
     if cfg.train.tau_prompts:
@@ -633,18 +640,33 @@ def tau_prompts(cfg: JobConfig) -> str | None:
 
 @dataclass
 class TauEval:
-    """Tau after each checkpoint, measured by `python -m dflash.eval CHECKPOINT --json` in a process
-    of its own at low CPU priority (logs/tau-eval.log), one at a time: a checkpoint written while
-    one runs waits, and only the newest waiting one is measured. Its answer becomes a `tau` event
-    (a failure a `tau_failed` event, with its error line)."""
+    """Tau after each checkpoint, measured by `python -m dflash.eval CHECKPOINT --json --no-baseline`
+    in a process of its own at low CPU priority (logs/tau-eval.log), one at a time, on `device`:
+    the CPU, or the first target's GPU, where the eval first checks that its pair fits beside the
+    workers (--headroom-gb run.memory_headroom_gb; when it does not, one `tau_skipped` event says so
+    and no more are tried). Paced to train.tau_budget: a measurement starts only while the ones so
+    far took at most that share of the wall time since training began; a checkpoint written while one
+    runs, or before the budget allows, waits, and only the newest waiting one is measured (the final
+    checkpoint's always is, after training). Its answer becomes a `tau` event (a failure a
+    `tau_failed` event, with its error line)."""
 
     cfg: JobConfig
     run: RunDir
     prompts: str
+    device: str = "cpu"
+    """Where the eval runs: "cpu", or a GPU of the job's ("cuda:0")."""
     proc: Proc | None = None
     step: int | None = None
     started: float = 0.0
     waiting: tuple[str, int | None] | None = None
+    since: float = field(default_factory=time.time)
+    """When the budget's wall clock starts (the workers' start)."""
+    spent_s: float = 0.0
+    """Seconds the finished measurements took."""
+    final: bool = False
+    """Training is over: the waiting measurement starts whatever the budget says."""
+    off: str | None = None
+    """Why no more measurements are tried (the GPU has no room for the eval)."""
     final_wait_s: float = 180.0
     """At a completed end, how long the final checkpoint's measurement may still take."""
 
@@ -652,10 +674,17 @@ class TauEval:
         self.waiting = (path, step if isinstance(step, int) else None)
         self.poll()
 
+    def allowed(self, now: float) -> bool:
+        """Within train.tau_budget: the finished measurements' seconds at most that share of the time since."""
+        return self.final or self.spent_s <= self.cfg.train.tau_budget * (now - self.since)
+
     def _start(self, path: str, step: int | None) -> None:
         t = self.cfg.train
         nice = ["nice", "-n", "10"] if shutil.which("nice") else []
-        argv = [*nice, sys.executable, "-m", "dflash.eval", path, "--json", "--device", "cpu"]
+        argv = [*nice, sys.executable, "-m", "dflash.eval", path, "--json", "--no-baseline"]
+        argv += ["--device", self.device]
+        if self.device != "cpu":
+            argv += ["--headroom-gb", f"{self.cfg.run.memory_headroom_gb:g}"]
         argv += [
             "--prompts",
             self.prompts,
@@ -674,7 +703,9 @@ class TauEval:
         if self.proc is not None:
             self._record(self.proc)
             self.proc = None
-        if self.waiting is not None:
+        if self.off is not None:
+            self.waiting = None
+        if self.waiting is not None and self.allowed(time.time()):
             path, step = self.waiting
             self.waiting = None
             self._start(path, step)
@@ -690,9 +721,10 @@ class TauEval:
                     continue
                 break
         seconds = round(time.time() - self.started, 3)
+        self.spent_s += seconds
         if proc.poll() == 0 and isinstance(result, dict):
             keep = ("tau", "rounds", "histogram", "acceptance_per_position", "prompts", "tokens", "tokens_per_s",
-                    "speedup", "prompts_from", "max_new", "drafter")  # fmt: skip
+                    "prompts_from", "max_new", "drafter", "device")  # fmt: skip
             acc = _metric_at(self.run.metrics, self.step, "acc")
             self.run.event(
                 "tau", step=self.step, seconds=seconds, acc=acc, **{k: result.get(k) for k in keep}
@@ -701,6 +733,15 @@ class TauEval:
             error = next(
                 (ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else ""
             )
+            if proc.poll() == DoesNotFit.EXIT_CODE:
+                self.off = error.removeprefix("error: ")
+                self.run.event(
+                    "tau_skipped",
+                    step=self.step,
+                    reason=f"no room for the in-job tau: {self.off}; later checkpoints are not measured "
+                    "(train.tau_eval = false silences this)",
+                )
+                return
             self.run.event(
                 "tau_failed", step=self.step, exit_code=proc.poll(), seconds=seconds, error=error[-400:]
             )
@@ -708,6 +749,7 @@ class TauEval:
     def finish(self, wait_s: float) -> None:
         """The measurement of the newest checkpoint, within wait_s (0: stop the one running)."""
         deadline = time.time() + wait_s
+        self.final = wait_s > 0
         while wait_s > 0 and time.time() < deadline and (self.waiting is not None or self.proc is not None):
             self.poll()
             time.sleep(0.2)
@@ -786,7 +828,7 @@ def launch(args: argparse.Namespace) -> int:
                     "prompts the job does not train on",
                 )
             else:
-                sup.tau = TauEval(cfg, run, prompts)
+                sup.tau = TauEval(cfg, run, prompts, device=tau_device(devices[0]))
         signal.signal(signal.SIGTERM, sup.on_signal)
         signal.signal(signal.SIGINT, sup.on_signal)
         early.check()  # from here on, a signal is the Supervisor's to handle

@@ -204,7 +204,7 @@ def build_plan(
         num_anchors=cfg.train.num_anchors,
         target_devices=tuple(targets),
         drafter_devices=tuple(drafters),
-        tau_eval=resolve_tau_eval(cfg, drafters),
+        tau_eval=resolve_tau_eval(cfg),
     )
 
 

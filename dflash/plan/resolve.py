@@ -136,10 +136,10 @@ def resolve_bf16_weights(cfg: JobConfig, device: torch.device) -> bool:
     return s == "true"
 
 
-def resolve_tau_eval(cfg: JobConfig, drafters: list[str]) -> bool:
-    """train.tau_eval: auto is on where the drafters train on the CPU (the eval runs there too)."""
-    s = str(cfg.train.tau_eval).lower()
-    return all(d == "cpu" for d in drafters) if s == "auto" else s == "true"
+def resolve_tau_eval(cfg: JobConfig) -> bool:
+    """train.tau_eval: auto is on, on every device: the eval runs on the CPU or on the first target's
+    GPU, where it checks its own room at each measurement (dflash.pipeline.supervisor.TauEval)."""
+    return str(cfg.train.tau_eval).lower() != "false"
 
 
 # ---- the process state compiled code depends on --------------------------------------------------

@@ -7,7 +7,10 @@ each checkpoint by `python -m dflash.eval`, train.tau_eval) against its teacher-
     acceptance" failure peers' users meet when they serve;
   - tau_stalled (warning): the last tau_stall_measurements measurements gained less than
     tau_stall_gain over the first of them, or no draft token was accepted in two measurements in
-    a row (tau 1.0).
+    a row (tau 1.0);
+  - tau_unmeasured (info): the job's newest word on tau is that it could not measure it
+    (`tau_skipped`: no held-out prompts, no room on the GPU; `tau_failed`: the eval's error line),
+    so a missing or old tau is explained where it is looked for.
 """
 
 from __future__ import annotations
@@ -32,10 +35,40 @@ def _acc(e: Mapping[str, Any]) -> float | None:
     return float(a) if isinstance(a, int | float) else None
 
 
-def tau_findings(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
-    series = tau_series(history[-1].events)
-    if not series:
+UNMEASURED = ("tau_skipped", "tau_failed")
+"""The job's events that say a tau was not measured, and why (docs/run-directory.md)."""
+
+
+def _unmeasured(events: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """tau_unmeasured, when the newest tau-related event is a skip or a failure."""
+    newest = next((e for e in reversed(events) if e.get("event") in ("tau", *UNMEASURED)), None)
+    if newest is None or newest.get("event") == "tau":
         return []
+    step = newest.get("step")
+    at = f" at step {step}" if isinstance(step, int) else ""
+    if newest.get("event") == "tau_skipped":
+        why, advice = str(newest.get("reason", "")), "the reason says which setting to change"
+    else:
+        why = str(newest.get("error", "")) or f"the eval exited with {newest.get('exit_code')}"
+        advice = "logs/tau-eval.log in the run directory has the eval's whole output"
+    return [
+        Finding(
+            severity="info",
+            kind="tau_unmeasured",
+            subject="drafter",
+            message=f"tau not measured{at}: {why}",
+            advice=advice,
+            numbers={"step": step if isinstance(step, int) else None, "event": str(newest.get("event"))},
+        )
+    ]
+
+
+def tau_findings(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
+    events = history[-1].events
+    unmeasured = _unmeasured(events)
+    series = tau_series(events)
+    if not series:
+        return unmeasured
     last = series[-1]
     tau, step = float(last["tau"]), int(last["step"])
     trend = ""
@@ -55,7 +88,8 @@ def tau_findings(history: Sequence[Snapshot], th: Thresholds) -> list[Finding]:
             + ("" if acc is None else f", acc {acc:.3f}"),
             advice="tau counts the target's own token: 1.0 means no draft token was accepted",
             numbers=numbers,
-        )
+        ),
+        *unmeasured,
     ]
     best = max(series[:-1], key=lambda e: float(e["tau"]), default=None)
     if best is not None:

@@ -96,3 +96,53 @@ def test_bad_inputs_get_one_line(repo, trained, tmp_path) -> None:
     bad.write_text('{"text": "fine"}\nnot json\n')
     _one_error(_eval(repo, str(run_dir), "--prompts", str(bad)), "prompts.jsonl:2", "not JSON")
     _one_error(_eval(repo, str(run_dir), "--prompts", str(tmp_path / "missing.jsonl")), "no such file")
+
+
+def test_no_baseline_measures_the_same_tau_without_the_target_alone(repo, trained) -> None:
+    _, run_dir, _ = trained
+    full = json.loads(_eval(repo, str(run_dir), "--json").stdout.splitlines()[-1])
+    proc = _eval(repo, str(run_dir), "--json", "--no-baseline")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert (r["tau"], r["histogram"], r["tokens"]) == (full["tau"], full["histogram"], full["tokens"])
+    assert "speedup" in full and "speedup" not in r and "target_alone_tokens_per_s" not in r
+
+
+def _free(monkeypatch, free_gib: float) -> None:
+    """No GPU here: the device's free-memory answer stands in (the real call: the GPU test below)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * 2**30), 80 * 2**30))
+
+
+def test_a_gpu_without_room_for_the_pair_is_refused_before_loading(
+    repo, trained, monkeypatch, capsys
+) -> None:
+    from dflash import eval as ev
+
+    _, run_dir, _ = trained
+    src = ev.open_source(run_dir, None)
+    need = ev.pair_bytes(src)
+    # The target's weight files, the drafter's, its bf16 embedding and head, and the decode's scratch.
+    assert need > ev.EVAL_SCRATCH_BYTES + (src.drafter_dir / "model.safetensors").stat().st_size
+    _free(monkeypatch, 4 + need / 2**30 + 0.01)
+    ev.check_fits(src, "cuda:0", 4.0)  # fits with the headroom kept
+    _free(monkeypatch, 4 + need / 2**30 - 0.01)
+    code = ev.main([str(run_dir), "--device", "cuda:0", "--headroom-gb", "4", "--json", "--limit", "1"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 3 and len(err) == 1, err
+    assert err[0].startswith("error: the target and drafter need ") and "--headroom-gb 4 kept" in err[0]
+
+
+@pytest.mark.gpu
+def test_the_fit_check_reads_the_real_gpu(repo, trained) -> None:
+    import torch
+
+    from dflash import eval as ev
+    from dflash.errors import DoesNotFit
+
+    src = ev.open_source(trained[1], None)
+    ev.check_fits(src, "cuda:0", 0.0)
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    with pytest.raises(DoesNotFit, match="free of"):
+        ev.check_fits(src, "cuda:0", total)

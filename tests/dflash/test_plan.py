@@ -108,7 +108,7 @@ def test_the_8b_config_plans_the_gpu_path_whole(tmp_path):
         num_anchors=512,
         target_devices=("cuda:0",),
         drafter_devices=("cuda:0",),
-        tau_eval=False,  # auto: a GPU job would need a second target for it
+        tau_eval=True,  # auto: on a GPU too (the eval checks its room beside the workers)
     )
     assert plan.shapes.target_graphs == 2 * len(plan.shapes.shapes)
     assert plan.recompile_limit == max(plan.shapes.drafter_graphs, plan.shapes.target_graphs)

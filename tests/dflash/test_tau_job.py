@@ -16,6 +16,7 @@ from dflash.rundir import RunDir
 def test_a_demo_size_run_records_tau_after_each_checkpoint(repo, tmp_path):
     run_dir = tmp_path / "run"
     sets = [*PIPELINE_SETS, "--set", "train.total_steps=20", "--set", "train.checkpoint_every=10"]
+    sets += ["--set", "train.tau_budget=1"]  # every checkpoint (the default paces them to 2%)
     sets += [
         "--set",
         "train.tau_eval=true",

@@ -58,3 +58,28 @@ def test_a_flat_tau_and_no_acceptance_stall() -> None:
 
 def test_no_tau_events_no_tau_findings() -> None:
     assert _tau_kinds(run(sample())) == []
+
+
+def test_a_tau_the_job_could_not_measure_is_explained() -> None:
+    s = sample()
+    reason = (
+        "no room for the in-job tau: the target and drafter need 22.4 GiB on cuda:0 and it has 9.0 GiB free"
+    )
+    s["events"] = [{"t": T0 - 50, "event": "tau_skipped", "step": 200, "reason": reason}]
+    findings = run(s)
+    assert _tau_kinds(findings) == [("info", "tau_unmeasured", "drafter")]
+    (f,) = [f for f in findings if f.kind == "tau_unmeasured"]
+    assert f.message == f"tau not measured at step 200: {reason}"
+    # A failure after a measurement: the newest tau is still shown, and why the next one is missing.
+    s = _with_taus((200, 1.4, 0.20))
+    s["events"].append(
+        {"t": T0 - 10, "event": "tau_failed", "step": 400, "exit_code": 1, "error": "error: boom"}
+    )
+    findings = run(s)
+    assert _tau_kinds(findings) == [("info", "tau", "drafter"), ("info", "tau_unmeasured", "drafter")]
+    assert [f.message for f in findings if f.kind == "tau_unmeasured"] == [
+        "tau not measured at step 400: error: boom"
+    ]
+    # A measurement after the failure: nothing left to explain.
+    s["events"].append(_tau(600, 1.6, 0.22, T0 - 5))
+    assert _tau_kinds(run(s)) == [("info", "tau", "drafter")]
