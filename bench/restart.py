@@ -37,18 +37,26 @@ sys.path.insert(0, str(REPO))
 from common import CONFIG_8B, CONFIG_TINY, default_out, report_header, write_report  # noqa: E402  (bench/)
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def job_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options of a bench that runs the real job (this one, bench/tau_cost.py): the config
+    (--tiny), the scratch dir, the job part's time limit, overrides and the report's path."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the CPU demo config instead of the 8B one on a GPU")
     ap.add_argument("--work", default="/tmp/dflash-bench", help="scratch: target, data, cache, run dir")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds for the whole job part")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", default=default_out(name))
+    return ap
+
+
+def parse_args() -> argparse.Namespace:
+    ap = job_parser(__doc__, "restart")
     ap.add_argument(
         "--kill-at-step", type=int, default=6, help="SIGKILL drafter rank 0 once it trained this many steps"
     )
     ap.add_argument(
         "--checkpoint-every", type=int, default=0, help="train.checkpoint_every (0: none before the kill)"
     )
-    ap.add_argument("--timeout", type=float, default=420.0, help="seconds for the whole job part")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument(
         "--spares",
         default="off,auto",
@@ -56,7 +64,6 @@ def parse_args() -> argparse.Namespace:
         "restart; auto: the spare the job chooses), each on the same warm cache",
     )
     ap.add_argument("--json", action="store_true", help="print the result as JSON, not the phase tables")
-    ap.add_argument("--out", default=default_out("restart"))
     return ap.parse_args()
 
 

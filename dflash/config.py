@@ -403,8 +403,9 @@ class TrainConfig:
     It runs on the CPU for a CPU job, else on the first target's GPU, beside the workers: a second,
     full copy of the target and the drafter in bf16, which the eval first checks against the GPU's
     free memory less run.memory_headroom_gb (no room: one `tau_skipped` event says so, and training
-    goes on). Paced to train.tau_budget of the wall time. Its cost on the 2-core CPU demo, before the
-    pacing: first step -> done 74.1 s off, 84.1 s on (+13%; docs/BENCHMARKS.md)."""
+    goes on). Paced to train.tau_budget of the wall time. Its cost on the 2-core CPU demo: first
+    step -> done 104.5 s off, 106.2 s on (+1.6%; +13% before the pacing); by its parts, training is
+    28.3% slower while an eval runs, for 0.57% at the demo's checkpoint interval (docs/BENCHMARKS.md)."""
     tau_budget: Annotated[float, Fraction] = 0.02
     """The share of the wall time the in-job tau may take (train.tau_eval): a measurement starts only
     while the finished ones took at most this share of the time since training began, so a checkpoint

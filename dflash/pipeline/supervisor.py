@@ -193,6 +193,8 @@ class Supervisor:
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         self.signals += 1
+        if self.tau is not None:
+            self.tau.stopping = True
         if self.signals == 1:
             self.stopping = f"signal {signal.Signals(signum).name}"
             self.stop_drafters()
@@ -667,6 +669,8 @@ class TauEval:
     """Training is over: the waiting measurement starts whatever the budget says."""
     off: str | None = None
     """Why no more measurements are tried (the GPU has no room for the eval)."""
+    stopping: bool = False
+    """The job was asked to stop: no new measurement starts, and one killed with it is no failure."""
     final_wait_s: float = 180.0
     """At a completed end, how long the final checkpoint's measurement may still take."""
 
@@ -676,6 +680,8 @@ class TauEval:
 
     def allowed(self, now: float) -> bool:
         """Within train.tau_budget: the finished measurements' seconds at most that share of the time since."""
+        if self.stopping:
+            return False
         return self.final or self.spent_s <= self.cfg.train.tau_budget * (now - self.since)
 
     def _start(self, path: str, step: int | None) -> None:
@@ -733,7 +739,10 @@ class TauEval:
             error = next(
                 (ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else ""
             )
-            if proc.poll() == DoesNotFit.EXIT_CODE:
+            code = proc.poll()
+            if self.stopping and code is not None and code < 0:
+                error = "stopped with the job before it finished"
+            if code == DoesNotFit.EXIT_CODE:
                 self.off = error.removeprefix("error: ")
                 self.run.event(
                     "tau_skipped",

@@ -80,3 +80,24 @@ def test_no_room_on_the_gpu_is_said_once_and_measuring_stops(repo, tmp_path, mon
 def test_the_eval_runs_on_the_first_targets_gpu() -> None:
     assert tau_device(["cuda:2", "cuda:3"]) == "cuda:2"
     assert tau_device(["cpu"]) == "cpu" and tau_device([]) == "cpu"
+
+
+def test_a_measurement_killed_with_a_stopping_job_is_no_failure(repo, tmp_path, monkeypatch) -> None:
+    import signal
+
+    tau = _tau(repo, tmp_path, 1.0)
+    proc = Proc(
+        "tau-eval", [sys.executable, "-c", "import time; time.sleep(60)"], tau.run.logs / "tau-eval.log"
+    )
+    proc.start()
+    tau.proc, tau.step, tau.started = proc, 120, time.time()
+    tau.stopping = True  # the supervisor's signal handler sets it; its second signal kills every process
+    proc.signal(signal.SIGKILL)
+    assert proc.popen is not None and proc.popen.wait(timeout=30) < 0
+    started: list[object] = []
+    monkeypatch.setattr(tau, "_start", lambda path, step: started.append(step))
+    tau.due("ck/step-134", 134)  # the stop's own checkpoint: not measured while the job stops
+    tau.finish(wait_s=0)
+    (failed,) = tau.run.read_events("tau_failed")
+    assert failed["step"] == 120 and failed["error"] == "stopped with the job before it finished"
+    assert started == []
