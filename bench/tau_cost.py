@@ -178,6 +178,8 @@ def main() -> None:
         "shipped": shipped_cost(config, rates, eval_s) if taus else {"cost": None},
     }
     write_report(args.out, report)
+    if (run_dir / "logs" / "tau-eval.log").is_file():  # kept beside the launch log: the run dir goes
+        shutil.copy(run_dir / "logs" / "tau-eval.log", work / "tau-eval.log")
     shutil.rmtree(run_dir, ignore_errors=True)  # 8B checkpoints are GBs each
     s = report["shipped"]
     print(
