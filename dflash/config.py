@@ -405,7 +405,9 @@ class TrainConfig:
     free memory less run.memory_headroom_gb (no room: one `tau_skipped` event says so, and training
     goes on). Paced to train.tau_budget of the wall time. Its cost on the 2-core CPU demo: first
     step -> done 104.5 s off, 106.2 s on (+1.6%; +13% before the pacing); by its parts, training is
-    28.3% slower while an eval runs, for 0.57% at the demo's checkpoint interval (docs/BENCHMARKS.md)."""
+    28.3% slower while an eval runs, for 0.57% at the demo's checkpoint interval. At 8B on an H100
+    (1 x 4096, the eval beside both workers on cuda:0): 6.8% slower during an eval, 0.14% at
+    checkpoint_every 2000 (docs/BENCHMARKS.md)."""
     tau_budget: Annotated[float, Fraction] = 0.02
     """The share of the wall time the in-job tau may take (train.tau_eval): a measurement starts only
     while the finished ones took at most this share of the time since training began, so a checkpoint
