@@ -173,3 +173,20 @@ def test_compiled_capture_matches_eager(tiny: Path) -> None:
         got = compiled(ids_BL, torch.tensor(lens))
         for row, n in enumerate(lens):
             torch.testing.assert_close(got[row, :n], want[row, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_compiled_capture_on_cuda_matches_eager_within_bf16_tolerance(tiny: Path) -> None:
+    """target.compile as a GPU job resolves it (bf16, compiled decoder layers): the captured states
+    equal the eager bf16 capture's within bf16 tolerance, padded and unpadded (issue 38 item 1)."""
+    cuda = torch.device("cuda")
+    eager = TargetCapture(str(tiny), [1, 3], dtype=torch.bfloat16, device=cuda)
+    compiled = TargetCapture(str(tiny), [1, 3], dtype=torch.bfloat16, device=cuda, compile=True)
+    torch.manual_seed(2)
+    ids_BL = torch.randint(0, 300, (4, 64))
+    for lens in ([64, 40, 17, 3], [64, 64, 64, 64]):
+        want = eager(ids_BL, torch.tensor(lens))
+        got = compiled(ids_BL, torch.tensor(lens))
+        assert got.dtype == torch.bfloat16
+        for row, n in enumerate(lens):
+            torch.testing.assert_close(got[row, :n].float(), want[row, :n].float(), rtol=1.6e-2, atol=2e-2)
