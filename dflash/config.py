@@ -415,8 +415,11 @@ class TrainConfig:
     checkpoint's always). 1 measures every checkpoint."""
     tau_prompts: str = ""
     """The held-out prompts of the in-job tau (a JSONL file of text or messages records that the
-    job does not train on); empty = `demo` for the demo corpus (records of another seed), else none
-    (then tau is not measured and a `tau_skipped` event says why)."""
+    job does not train on); empty = `demo` for the demo corpus (records of another seed), else
+    train.tau_prompt_count records held out of data.path itself (spread evenly over it; a pipeline
+    job trains on the rest, dflash.data.holdout; the single-process dflash.train measures no tau and
+    trains on all), so turning train.tau_eval off or on changes a pipeline's training data by those
+    records."""
     tau_prompt_count: Annotated[int, AtLeast1] = 16
     """Prompts per in-job tau measurement."""
     tau_max_new: Annotated[int, AtLeast1] = 32

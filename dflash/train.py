@@ -138,7 +138,7 @@ class Job:
         from dflash.step.trainer import DrafterSide
 
         torch.manual_seed(cfg.run.seed)
-        parts = prepare_data(cfg, run)
+        parts = prepare_data(cfg, run, measures_tau=False)  # no in-job tau here: all of data.path trains
         plan = plan_job(cfg, parts)
         self.device = plan.torch_device
         from dflash.plan.placement import preflight

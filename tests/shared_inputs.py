@@ -35,12 +35,12 @@ from pathlib import Path
 from dflash.config import load_config
 from dflash.data.dataset import load_dataset
 from dflash.data.inputs import open_target
-from dflash.data.prepare import training_data_path
+from dflash.data.prepare import training_data
 
 root = Path(sys.argv[1])
 cfg = load_config(sys.argv[2], [f"run.runs_root={root}"])
 target, tok, _ = open_target(cfg)
-data = dataclasses.replace(cfg.data, path=training_data_path(cfg, target, tok, lambda _msg: None))
+data = dataclasses.replace(cfg.data, path=training_data(cfg, target, tok, lambda _msg: None)[0])
 load_dataset(data, tok, root / ".tokcache", lambda _msg: None)
 """
 

@@ -23,22 +23,32 @@ class DataParts:
     mask_token_id: int
     dataset: Any
     target_path: str
+    tau_prompts: str | None = None
+    """The in-job tau's held-out prompts (dflash.data.holdout.JobSource), None when there are none."""
 
 
-def training_data_path(cfg: JobConfig, target_path: str, tok: Any, log: Callable[[str], None]) -> str:
-    """The JSONL the job trains on: data.path's, or with data.responses its target's responses to
-    data.path's prompts (generated here where not made yet: dflash.data.responses)."""
-    data_path = locate_data(cfg)
+def training_data(
+    cfg: JobConfig, target_path: str, tok: Any, log: Callable[[str], None], *, measures_tau: bool = True
+) -> tuple[str, str | None]:
+    """(the JSONL the job trains on, the in-job tau's prompts): data.path's lines not held out for
+    tau (dflash.data.holdout), or with data.responses its target's responses to their prompts
+    (generated here where not made yet: dflash.data.responses)."""
+    from dflash.data.holdout import job_source
+
+    source = job_source(cfg, locate_data(cfg), measures_tau=measures_tau)
+    data_path = source.data_path
     if cfg.data.responses:
         from dflash.data.responses import ensure
 
         device = "cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu"
         data_path = str(ensure(cfg, data_path, target_path, tok, device=device, log=log))
-    return data_path
+    return data_path, source.tau_prompts
 
 
-def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
-    """Tokenizer, mask token and dataset: every data error surfaces here, before any model loads."""
+def prepare_data(cfg: JobConfig, run: RunDir, *, measures_tau: bool = True) -> DataParts:
+    """Tokenizer, mask token and dataset: every data error surfaces here, before any model loads.
+    measures_tau: the job measures tau in itself (the pipeline; dflash.train does not), so its
+    prompts are held out of the data (dflash.data.holdout)."""
     import dataclasses
 
     from dflash.data.dataset import load_dataset
@@ -51,10 +61,13 @@ def prepare_data(cfg: JobConfig, run: RunDir) -> DataParts:
         with open(log_path, "a") as f:
             f.write(msg + "\n")
 
-    data_cfg = dataclasses.replace(cfg.data, path=training_data_path(cfg, target_path, tok, log))
+    data_path, tau_prompts = training_data(cfg, target_path, tok, log, measures_tau=measures_tau)
+    data_cfg = dataclasses.replace(cfg.data, path=data_path)
 
     ds = load_dataset(data_cfg, tok, cache_root, log)
-    return DataParts(tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path)
+    return DataParts(
+        tokenizer=tok, mask_token_id=mask_id, dataset=ds, target_path=target_path, tau_prompts=tau_prompts
+    )
 
 
 def plan_job(cfg: JobConfig, parts: DataParts, device: torch.device | None = None) -> Any:

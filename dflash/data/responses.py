@@ -242,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
+        from dflash.data.holdout import job_source
         from dflash.data.inputs import locate_data, open_target
 
         cfg = load_config(args.config, args.overrides)
         target_path, tok, _ = open_target(cfg)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        out = ensure(cfg, locate_data(cfg), target_path, tok, batch=args.batch, device=device,
+        prompts = job_source(cfg, locate_data(cfg)).data_path  # the job's: less the tau's held-out prompts
+        out = ensure(cfg, prompts, target_path, tok, batch=args.batch, device=device,
                      log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

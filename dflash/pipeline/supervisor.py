@@ -633,13 +633,6 @@ def tau_device(targets: list[str]) -> str:
     return first if first.startswith("cuda") else "cpu"
 
 
-def tau_prompts(cfg: JobConfig) -> str | None:
-    """The in-job tau's held-out prompts (train.tau_prompts), None when there are none."""
-    if cfg.train.tau_prompts:
-        return cfg.train.tau_prompts
-    return "demo" if cfg.data.path == "demo" else None
-
-
 @dataclass
 class TauEval:
     """Tau after each checkpoint, measured by `python -m dflash.eval CHECKPOINT --json --no-baseline`
@@ -829,12 +822,15 @@ def launch(args: argparse.Namespace) -> int:
             spare_plan=spares,
         )
         if job.tau_eval:
-            prompts = tau_prompts(cfg)
+            prompts = (
+                parts.tau_prompts
+            )  # train.tau_prompts, demo, or held out of data.path (dflash.data.holdout)
             if prompts is None:
                 run.event(
                     "tau_skipped",
-                    reason="no held-out prompts for the in-job tau: set train.tau_prompts to a JSONL file of "
-                    "prompts the job does not train on",
+                    reason=f"no held-out prompts for the in-job tau: data.path has at most train.tau_prompt_count "
+                    f"({cfg.train.tau_prompt_count}) records to hold out; set train.tau_prompts to a JSONL file "
+                    "of prompts the job does not train on",
                 )
             else:
                 sup.tau = TauEval(cfg, run, prompts, device=tau_device(devices[0]))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from jobs import PIPELINE_SETS, start_job
 
@@ -51,20 +52,23 @@ def test_a_demo_size_run_records_tau_after_each_checkpoint(repo, tmp_path):
     )  # fmt: skip
 
 
-def test_no_held_out_prompts_is_said_once_and_training_goes_on(repo, tmp_path):
+def test_a_real_datasets_tau_is_measured_on_records_held_out_of_it(repo, tmp_path):
+    lines = [f'{{"text": "The red fox sees the blue owl near the river, {i} times."}}\n' for i in range(200)]
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(
-        "".join(
-            f'{{"text": "The red fox sees the blue owl near the river, {i} times."}}\n' for i in range(200)
-        )
-    )
+    corpus.write_text("".join(lines))
     run_dir = tmp_path / "run"
     sets = [*PIPELINE_SETS, "--set", "train.total_steps=4", "--set", f"data.path={corpus}"]
-    sets += ["--set", "train.tau_eval=true", "--set", "data.min_seq_len=4"]
+    sets += ["--set", "train.tau_eval=true", "--set", "data.min_seq_len=4", "--set", "train.tau_max_new=8"]
     proc = start_job("dflash.launch", repo, tmp_path, run_dir, *sets)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out
     run = RunDir(run_dir)
-    (skipped,) = run.read_events("tau_skipped")
-    assert "train.tau_prompts" in skipped["reason"]
-    assert not run.read_events("tau") and run.read_events("stopped")[-1]["reason"] == "completed"
+    assert not run.read_events("tau_skipped") and run.read_events("stopped")[-1]["reason"] == "completed"
+    (tau,) = run.read_events("tau")  # the final checkpoint's
+    held = Path(tau["prompts_from"])
+    assert held.name == "prompts.jsonl" and tau["prompts"] == 16
+    assert sorted(held.read_text().splitlines(keepends=True) + (held.parent / "train.jsonl").read_text().splitlines(
+        keepends=True)) == sorted(lines)  # fmt: skip
+    # The job trained on the 184 records left, and the held-out ones are none of them.
+    summary = run.read_events("launched")[0]["data"]
+    assert summary["records"] == 184, summary
