@@ -88,6 +88,9 @@ def fmt_duration(s: float | None) -> str:
         return "n/a"
     if s < 120:
         return f"{s:.0f} s"
+    if s < 600:  # minutes and seconds: 160 s is "2 min 40 s", not "3 min"
+        m, sec = divmod(round(s), 60)
+        return f"{m} min {sec} s" if sec else f"{m} min"
     if s < 7200:
         return f"{s / 60:.0f} min"
     if s < 172800:

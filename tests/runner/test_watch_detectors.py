@@ -623,3 +623,11 @@ def test_docs_list_every_finding_the_code_makes() -> None:
     for f in (root / "runner" / "watch").glob("*.py"):  # every Finding(kind="...", subject=...)
         code |= set(re.findall(r'kind="(\w+)",\s*subject=', f.read_text()))
     assert rows == code, (sorted(code - rows), sorted(rows - code))
+
+
+def test_durations_read_as_people_say_them() -> None:
+    from runner.watch.signals import fmt_duration
+
+    assert [fmt_duration(s) for s in (None, 45, 119.6, 160, 180, 599.4, 600, 5400, 9000, 200_000)] == [
+        "n/a", "45 s", "120 s", "2 min 40 s", "3 min", "9 min 59 s", "10 min", "90 min", "2.5 h", "2.3 d",
+    ]  # fmt: skip

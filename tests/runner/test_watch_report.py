@@ -454,7 +454,7 @@ def test_each_start_is_a_row_of_phase_bars_in_the_figure_the_text_and_json(tmp_p
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[:4] == ["process_start", "imports", "model_load", "launcher_start"], "one color per phase"
     assert (
-        "  drafters restart (gen 1) at 4 min: 9.0 s from death to first step, 3 steps rolled back "
+        "  drafters restart (gen 1) at 3 min 35 s: 9.0 s from death to first step, 3 steps rolled back "
         "(from checkpoint); slowest: model_build 4.0 s, imports 2.8 s, first_step 1.5 s" in summary.lines
     ), summary.lines
     d = summary.to_dict()["starts"]
