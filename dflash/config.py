@@ -410,7 +410,7 @@ class TrainConfig:
     checkpoint_every 2000 (docs/BENCHMARKS.md)."""
     tau_budget: Annotated[float, Fraction] = 0.02
     """The share of the wall time the in-job tau may take (train.tau_eval): a measurement starts only
-    while the finished ones took at most this share of the time since training began, so a checkpoint
+    while the finished ones took at most this share of the time since the job started, so a checkpoint
     that comes sooner waits (the newest waiting one is measured when the budget allows, the final
     checkpoint's always). 1 measures every checkpoint."""
     tau_prompts: str = ""

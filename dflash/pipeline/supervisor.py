@@ -640,7 +640,7 @@ class TauEval:
     the CPU, or the first target's GPU, where the eval first checks that its pair fits beside the
     workers (--headroom-gb run.memory_headroom_gb; when it does not, one `tau_skipped` event says so
     and no more are tried). Paced to train.tau_budget: a measurement starts only while the ones so
-    far took at most that share of the wall time since training began; a checkpoint written while one
+    far took at most that share of the wall time since the job started; a checkpoint written while one
     runs, or before the budget allows, waits, and only the newest waiting one is measured (the final
     checkpoint's always is, after training). Its answer becomes a `tau` event (a failure a
     `tau_failed` event, with its error line)."""
