@@ -171,9 +171,11 @@ def render_dashboard(
     snapshot: Snapshot, findings: Sequence[Finding], *, stale_s: float = 10.0
 ) -> RenderableType:
     counts = {s: sum(f.severity == s for f in findings) for s in ("critical", "warning", "info")}
+    # Two lines: a run directory's path is long, and the counts must not wrap at 80 columns.
     head = Text(
-        f"{snapshot.run_dir or 'run'} on {snapshot.host or '?'}   sample {fmt_duration(snapshot.sample_age_s)} old"
-        f" ({snapshot.source})   {counts['critical']} critical, {counts['warning']} warning, {counts['info']} info"
+        f"{snapshot.run_dir or 'run'} on {snapshot.host or '?'}\n"
+        f"{counts['critical']} critical, {counts['warning']} warning, {counts['info']} info   "
+        f"sample {fmt_duration(snapshot.sample_age_s)} old ({snapshot.source})"
     )
     parts: list[RenderableType] = [head]
     if snapshot.gpus:

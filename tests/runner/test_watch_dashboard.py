@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
+import re
 
 from rich.console import Console
 from test_watch_fakes import healthy_sample, metric
@@ -114,3 +116,15 @@ def test_the_last_restart_and_its_slowest_phases_on_the_dashboard_and_in_json() 
         ("imports", 0.5),
         ("first_step", 3.0),
     ]
+
+
+def test_the_header_keeps_its_counts_whole_at_80_columns() -> None:
+    s = healthy_sample(T0)
+    history = History()
+    snap = history.ingest(s)
+    snap = dataclasses.replace(snap, run_dir="/data/runs/qwen3-8b-drafter-20261207-115642-long-name")
+    out = io.StringIO()
+    Console(file=out, no_color=True, width=80).print(render_dashboard(snap, detect(history.snapshots)))
+    first, second = out.getvalue().splitlines()[:2]
+    assert first.startswith("/data/runs/qwen3-8b-drafter-20261207-115642-long-name on ")
+    assert re.match(r"\d+ critical, \d+ warning, \d+ info   sample .* old \(.+\)$", second), second
