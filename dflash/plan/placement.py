@@ -137,8 +137,9 @@ def fit_problems(
         if w is not None and w[1] > limit:
             problems.append(
                 f"the {part}'s planned shape {w[0]} needs {_gib(w[1])} of device memory (peak "
-                f"reserved measured by warm-cache; {_gib(_allocated(record, part, w[0]))} allocated), more than {where}'s {_gib(total)} less run.memory_headroom_gb "
-                f"({headroom_gb:g}): {shrink_advice(part)}"
+                f"reserved measured by warm-cache; {_gib(_allocated(record, part, w[0]))} allocated), "
+                f"more than {where}'s {_gib(total)} less run.memory_headroom_gb ({headroom_gb:g}): "
+                f"{shrink_advice(part)}"
             )
     return problems
 
