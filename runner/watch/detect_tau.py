@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runner.rundir import tau_series
+from runner.rundir import layout, tau_series
 from runner.watch.findings import Finding
 from runner.watch.snapshot import Snapshot
 from runner.watch.thresholds import Thresholds
@@ -50,7 +50,7 @@ def _unmeasured(events: Sequence[Mapping[str, Any]]) -> list[Finding]:
         why, advice = str(newest.get("reason", "")), "the reason says which setting to change"
     else:
         why = str(newest.get("error", "")) or f"the eval exited with {newest.get('exit_code')}"
-        advice = "logs/tau-eval.log in the run directory has the eval's whole output"
+        advice = f"{layout.log('tau-eval')} in the run directory has the eval's whole output"
     return [
         Finding(
             severity="info",

@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[float]] = {
     "train.weight_decay": {0},  # off
     "train.block_token_budget": {0},  # derived: the longest bucket's block tokens
     "train.betas": {0},  # no momentum / no second-moment averaging
+    "train.tau_budget": {0},  # the first and the final checkpoint measured
     "pipeline.max_restarts": {0},  # no drafter-group restarts
     "pipeline.slot_mb": {0},  # derived from the batch shape
     "pipeline.state_copy_every": {0},  # no state copies: a death rolls back to the checkpoint
