@@ -4,6 +4,8 @@ prompts file, every other line to the file the job trains on (and answers with i
 data.responses), so tau is measured on prompts the drafter never saw. Both files are made once per
 content of data.path and count, under <data.cache_dir or runs root/.tokcache>/.holdout/<key>/
 (assembled in a temp dir, then renamed into place), and reused by every later start and worker.
+A later start finds the split by data.path's path, size and modification time (a pointer under
+.holdout/by-stat/) without reading the file again; a file changed in place gets a new split.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 HOLDOUT_FORMAT = "holdout-v1"
 TRAIN_FILE = "train.jsonl"
 PROMPTS_FILE = "prompts.jsonl"
+BY_STAT = "by-stat"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ def held_lines(n: int, count: int) -> set[int]:
 def split(path: Path, count: int, root: Path) -> tuple[Path, Path | None]:
     """(training file, prompts file) of path's non-blank lines (see the module doc); (path, None)
     when it has no more than `count` of them, too few to hold any out."""
+    pointer = _stat_pointer(path, count, root)
+    if pointer is not None and pointer.is_file():
+        final = root / pointer.read_text().strip()
+        if (final / TRAIN_FILE).is_file() and (final / PROMPTS_FILE).is_file():
+            return final / TRAIN_FILE, final / PROMPTS_FILE
     digest = hashlib.sha256(f"{HOLDOUT_FORMAT}\n{count}\n".encode())
     try:
         with path.open("rb") as f:
@@ -77,6 +85,7 @@ def split(path: Path, count: int, root: Path) -> tuple[Path, Path | None]:
     final = root / digest.hexdigest()[:40]
     train, prompts = final / TRAIN_FILE, final / PROMPTS_FILE
     if train.is_file() and prompts.is_file():
+        _write_pointer(pointer, final.name)
         return train, prompts
     held = held_lines(n, count)
     try:
@@ -100,4 +109,34 @@ def split(path: Path, count: int, root: Path) -> tuple[Path, Path | None]:
             f"cannot write the held-out tau prompts under {root}: {e}; set data.cache_dir to a writable "
             "directory, or train.tau_prompts to a prompts file of your own"
         ) from None
+    _write_pointer(pointer, final.name)
     return train, prompts
+
+
+def _stat_pointer(path: Path, count: int, root: Path) -> Path | None:
+    """Where the content key of path's split is recorded under its path, size and mtime; None when
+    path cannot be stat'ed (split reports the unreadable file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    ident = f"{HOLDOUT_FORMAT}\n{count}\n{path.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n"
+    return root / BY_STAT / hashlib.sha256(ident.encode()).hexdigest()[:40]
+
+
+def _write_pointer(pointer: Path | None, key: str) -> None:
+    """Record key at pointer (temp file + rename); a pointer that cannot be written only costs the
+    next start a read of data.path."""
+    if pointer is None:
+        return
+    try:
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".pointer-", dir=pointer.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, pointer)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)

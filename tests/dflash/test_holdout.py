@@ -3,12 +3,14 @@ made once per content, the rest the training file; none held out of a file too s
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dflash.config import load_config
-from dflash.data.holdout import held_lines, job_source, split
+from dflash.data.holdout import BY_STAT, held_lines, job_source, split
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,9 +40,30 @@ def test_split_holds_out_count_lines_and_trains_on_the_rest(tmp_path: Path) -> N
     made = train.stat().st_mtime_ns
     assert split(tmp_path / "data.jsonl", 4, tmp_path / "cache") == (train, prompts)  # made once, reused
     assert train.stat().st_mtime_ns == made
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [train.parent.name]  # no temp dir left
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [train.parent.name, BY_STAT]
+    )  # no temp
+    assert [p.name.startswith(".") for p in (tmp_path / "cache" / BY_STAT).iterdir()] == [False]
     other, _ = split(tmp_path / "data.jsonl", 5, tmp_path / "cache")
     assert other.parent != train.parent  # another count, another split
+
+
+def test_a_later_start_finds_the_split_by_stat_and_a_changed_file_gets_a_new_one(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data.jsonl", tmp_path / "cache"
+    _corpus(data, 100)
+    train, prompts = split(data, 4, cache)
+    st = data.stat()
+    # Same size and mtime, other bytes: found by the pointer, so the file was not read again.
+    data.write_bytes(data.read_bytes().replace(b"record 1", b"RECORD 1"))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert split(data, 4, cache) == (train, prompts)
+    # A change the stat shows (mtime): the content is read and split anew.
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    train2, prompts2 = split(data, 4, cache)
+    assert train2.parent != train.parent and b"RECORD 1" in train2.read_bytes()
+    # A pointer to a split that was deleted is not trusted: the split is made again.
+    shutil.rmtree(train2.parent)
+    assert split(data, 4, cache) == (train2, prompts2) and train2.is_file()
 
 
 def test_too_few_records_hold_none_out(tmp_path: Path) -> None:
