@@ -472,11 +472,14 @@ class PipelineConfig:
     trainable parameter each); the copy overlaps the next step. 0 = off. A batch is acked once a
     copy holds its step, so each drafter holds up to state_copy_every + 1 batches of the queue (and
     one more for the moment the newest copy takes), which pipeline.queue_depth must leave room for.
-    The default keeps a death's loss to one step at a price that depends on the step's length: a
-    copy of the 8B drafter (12.6 GB) takes about 0.48 s, so at a 258 ms step (2 x 4096 rows, H100)
-    every step cost +84.5% and every 10 steps +8.7%; the shipped 12 x 4096 step (about 1.5 s) hides
-    more of it behind the next forward and backward (not measured: docs/BENCHMARKS.md). Where steps
-    are short, raise it (and pipeline.queue_depth with it)."""
+    The default keeps a death's loss to one step. Its price, measured on an H100 with the 8B drafter
+    (12.6 GB a copy; 0.48 s was the first estimate of a copy): at a 258 ms step (2 x 4096 rows) every
+    step cost +84.5% and every 10 steps +8.7%; at 6 x 4096 +27.0% and at 8 x 4096 +22.0%, about 0.21 s
+    a copy whatever the step's length, because the step's small reads to the host waited behind the
+    copy in the copy engine and stalled the step's stream. The step now writes those reads with a
+    kernel (dflash.step.objective.HostCopy, bench/host_reads.py), so the copy should hide behind the
+    next forward and backward; that, and the shipped 12 x 4096 step, are not measured yet
+    (docs/BENCHMARKS.md). Where a copy costs too much, raise it (and pipeline.queue_depth with it)."""
     spare_drafters: str = "auto"
     """A spare drafter process per local drafter rank, started ahead (dflash.pipeline.spare), that
     takes over when the group restarts, so a new generation skips the imports, CUDA start, frozen

@@ -92,17 +92,66 @@ def position_weights(block_size: int, gamma: float, device: torch.device | None 
     return torch.where(k_K > 0, torch.exp(-(k_K - 1) / gamma), 0.0)
 
 
+KERNEL_READS = True
+"""HostCopy writes its values into the pinned buffer with a kernel (below); False: a copy_."""
+_CAI_TYPES = {
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.float16: "<f2",
+    torch.int64: "<i8",
+    torch.int32: "<i4",
+}
+_PENDING: list[tuple[torch.Tensor, Any]] = []
+"""Pinned buffers written by a kernel whose HostCopy was dropped unread: kept until the kernel ran
+(the host allocator, which knows only its own copies, would hand the block out again at once)."""
+
+
+class _DevicePointer:
+    """A pinned host buffer as CUDA sees it (UVA: the same address), for torch.as_tensor."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {
+            "data": (host.data_ptr(), False),
+            "shape": tuple(host.shape),
+            "typestr": _CAI_TYPES[host.dtype],
+            "version": 3,
+        }
+
+
+def _write_by_kernel(x: torch.Tensor, host: torch.Tensor) -> bool:
+    """Write x into the pinned `host` with an elementwise kernel on x's stream instead of a copy.
+    A device-to-host copy goes through the copy engine, and there it waits behind a long copy
+    queued on another stream (dflash.pipeline.state_copy's 12.6 GB at the 8B size): the stream that
+    queued it stalls the whole time, and the step with it. A kernel's stores to mapped host memory
+    pass beside the copy engine. False (nothing written) where the buffer cannot be mapped so."""
+    if not KERNEL_READS or x.dtype not in _CAI_TYPES or not x.is_contiguous():
+        return False
+    try:
+        alias = torch.as_tensor(_DevicePointer(host), device=x.device)  # no copy: checked below
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    if alias.device != x.device or alias.data_ptr() != host.data_ptr():
+        return False
+    torch.mul(x, 1, out=alias)  # x * 1 is x, bit for bit (NaN stays NaN, -0.0 stays -0.0)
+    return True
+
+
 class HostCopy:
-    """A device tensor on its way to the host: the copy is queued now, right behind the work that
-    made the tensor and ahead of anything queued later, into pinned memory. `get()` then waits for
-    that point of the device's queue only, not for the work queued after it. On the CPU it is the
-    tensor itself."""
+    """A device tensor on its way to the host: written now, right behind the work that made the
+    tensor and ahead of anything queued later, into pinned memory (by a kernel: _write_by_kernel).
+    `get()` then waits for that point of the device's queue only, not for the work queued after it.
+    On the CPU it is the tensor itself."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self._event: Any = None
+        self.by_kernel = False
         if x.device.type == "cuda":
+            if _PENDING:
+                _PENDING[:] = [(h, e) for h, e in _PENDING if not e.query()]
             self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            self._host.copy_(x, non_blocking=True)
+            self.by_kernel = _write_by_kernel(x, self._host)
+            if not self.by_kernel:
+                self._host.copy_(x, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(x.device))
         else:
@@ -111,7 +160,16 @@ class HostCopy:
     def get(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
+            self._event = None
         return self._host
+
+    def __del__(self) -> None:
+        if self.by_kernel and self._event is not None:
+            try:
+                if not self._event.query():
+                    _PENDING.append((self._host, self._event))
+            except Exception:  # interpreter shutdown: the process and its buffers are going
+                pass
 
 
 @dataclass(slots=True)

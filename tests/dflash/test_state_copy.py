@@ -24,12 +24,12 @@ def _same_state(a, b) -> None:
     wa, wb = a.weights(), b.weights()
     assert wa.keys() == wb.keys()
     for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+        assert torch.equal(wa[k].cpu(), wb[k].cpu()), k
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
     assert sa["state"].keys() == sb["state"].keys() and len(sa["state"]) > 0
     for i in sa["state"]:
         for key, v in sa["state"][i].items():
-            assert torch.equal(v, sb["state"][i][key]), (i, key)
+            assert torch.equal(v.cpu(), sb["state"][i][key].cpu()), (i, key)
     assert a.step == b.step
     assert a.scheduler.state_dict() == b.scheduler.state_dict()
     assert torch.equal(a.anchor_gen.get_state(), b.anchor_gen.get_state())
@@ -69,6 +69,29 @@ def test_a_restored_copy_is_the_trainer_at_its_step_and_trains_on_alike(repo, tm
         want, got = ref.train_step(*b), fresh.train_step(*b)
         assert got.loss == want.loss and got.grad_norm == want.grad_norm
     _same_state(fresh, ref)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_copy_is_the_trainer_at_its_step(repo, tmp_path):
+    """The GPU path: the copy on the copy stream into page-locked shared memory restores into a
+    fresh trainer as the live trainer at the copy's step."""
+    dev = torch.device("cuda")
+    trainer, spec = _trainer(repo, dev, torch.bfloat16)
+    root = tmp_path / "copies"
+    root.mkdir()
+    copier = sc.StateCopier(trainer, root, rank=0, writes_tensors=True, every=1)
+    trainer.state_copy = copier
+    batches = _batches(spec, 4, torch.bfloat16)
+    trainer.train_step(*batches[0])  # makes the file; page-locking runs in the background
+    assert copier.wait_ready(timeout=120) and copier.pinned
+    for b in batches[1:]:
+        trainer.train_step(*b)
+    torch.cuda.synchronize()
+    copier.close()
+    assert copier.committed() == 4 and sc.torn_slots(root) == []
+    fresh, _ = _trainer(repo, dev, torch.bfloat16)
+    assert sc.load_copy(fresh, root, 0, 4)
+    _same_state(fresh, trainer)
 
 
 def test_a_torn_copy_is_never_used(repo, tmp_path):

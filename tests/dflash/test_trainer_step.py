@@ -302,6 +302,36 @@ def test_the_drafter_step_never_waits_for_the_gpu_before_its_metrics_are_read(re
 
 
 @pytest.mark.gpu
+def test_a_host_copy_is_written_by_a_kernel_and_never_waits_behind_a_long_copy():
+    """HostCopy's values, an int64 count and float32 metrics, reach the host exactly, written by a
+    kernel; and a read queued while a 2 GiB device-to-host copy runs on another stream (a state copy,
+    dflash.pipeline.state_copy) comes back before that copy ends. Through the copy engine it waited
+    for all of it, and the stream that queued it stalled as long (H100, 2026-12-07: 150 products
+    230 ms with two reads, 373 ms beside an 8.6 GB copy; docs/benchmarks-history.md)."""
+    from dflash.step.objective import HostCopy
+
+    dev = torch.device("cuda")
+    x = torch.arange(35, device=dev, dtype=torch.float32) * 0.5 - 3.0
+    n = torch.tensor(7, device=dev)
+    a, b = HostCopy(x), HostCopy(n)
+    assert a.by_kernel and b.by_kernel
+    assert torch.equal(a.get(), x.cpu()) and b.get().dtype == torch.int64 and int(b.get()) == 7
+    big = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty(big.shape, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dst.copy_(big, non_blocking=True)
+    copy_end = side.record_event()
+    c = HostCopy(x + 1)
+    got = c.get()
+    copy_running = not copy_end.query()
+    torch.cuda.synchronize()
+    assert torch.equal(got, (x + 1).cpu())
+    assert copy_running, "the read waited behind the other stream's copy"
+
+
+@pytest.mark.gpu
 def test_reading_a_step_waits_for_that_step_only(repo):
     """read_step waits for its own step's end, not for work queued on the device after it (StepAhead
     queues the next step before reading this one: a read that waited for it lost the lead; H200 run
