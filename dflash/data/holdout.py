@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash.errors import DFlashError
+from dflash.rundir import atomic_write_bytes
 
 if TYPE_CHECKING:
     from dflash.config import JobConfig
@@ -125,18 +126,11 @@ def _stat_pointer(path: Path, count: int, root: Path) -> Path | None:
 
 
 def _write_pointer(pointer: Path | None, key: str) -> None:
-    """Record key at pointer (temp file + rename); a pointer that cannot be written only costs the
-    next start a read of data.path."""
+    """Record key at pointer; a pointer that cannot be written only costs the next start a read of
+    data.path."""
     if pointer is None:
         return
     try:
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".pointer-", dir=pointer.parent)
+        atomic_write_bytes(pointer, f"{key}\n".encode(), durable=False)
     except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        os.replace(tmp, pointer)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        pass

@@ -130,7 +130,7 @@ def _write_by_kernel(x: torch.Tensor, host: torch.Tensor) -> bool:
         alias = torch.as_tensor(_DevicePointer(host), device=x.device)  # no copy: checked below
     except (RuntimeError, TypeError, ValueError):
         return False
-    if alias.device != x.device or alias.data_ptr() != host.data_ptr():
+    if alias.data_ptr() != host.data_ptr():  # as_tensor copied it (another device's buffer)
         return False
     torch.mul(x, 1, out=alias)  # x * 1 is x, bit for bit (NaN stays NaN, -0.0 stays -0.0)
     return True
